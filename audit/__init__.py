@@ -1,0 +1,1 @@
+"""Redacted structured logging, the tamper-evident audit trail and signed exports."""

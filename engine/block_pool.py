@@ -1,0 +1,169 @@
+"""KV block bookkeeping: blocks, ref counts, the free list, and the hash → block map of the prefix cache."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from engine.hashing import BlockHash
+
+
+class Block:
+    """One KV block. ``block_hash``/``token_ids`` are set once the block is full and cached."""
+
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "token_ids", "namespace")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.block_hash: BlockHash | None = None
+        self.token_ids: tuple[int, ...] | None = None
+        self.namespace: bytes | None = None
+
+    def __repr__(self) -> str:
+        return f"Block(id={self.block_id}, ref={self.ref_cnt}, cached={self.block_hash is not None})"
+
+
+@dataclass(slots=True)
+class NamespaceStats:
+    """Per cache-namespace accounting."""
+
+    blocks_held: int = 0          # referenced blocks allocated by this namespace
+    evictable_blocks: int = 0     # cached blocks with no reference, waiting in the LRU
+    queries: int = 0              # prefix-cache lookups (one per admitted sequence)
+    hits: int = 0                 # lookups that reused at least one block
+    cached_tokens: int = 0        # prompt tokens served from the cache
+    computed_tokens: int = 0      # prompt tokens actually run through the model
+
+
+class BlockPool:
+    """Owns every block. Blocks are either referenced, truly free, or cached-and-evictable (LRU).
+
+    Allocation takes truly free blocks first and evicts the least recently freed cached block only
+    when none are left. Requests free their blocks tail first, so a request's tail is evicted before
+    its head (the head is the likelier shared prefix). Evictable blocks live in ordered dicts rather
+    than a hand-rolled linked list: O(1) removal from the middle on a cache hit, O(1) pop of the oldest.
+    """
+
+    def __init__(self, num_blocks: int, max_cached_per_namespace: int | None = None) -> None:
+        self.num_blocks = num_blocks
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() yields low ids first
+        self._evictable: OrderedDict[int, None] = OrderedDict()
+        self._evictable_by_ns: dict[bytes, OrderedDict[int, None]] = {}
+        self.cached: dict[BlockHash, Block] = {}
+        self.max_cached_per_namespace = max_cached_per_namespace
+        self.ns_stats: dict[bytes, NamespaceStats] = {}
+        self.blocks_to_zero: list[int] = []  # filled when zero-on-free is on; drained by the runner
+        self.zero_on_free = False
+        self.num_evictions = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks an allocation can take: truly free plus evictable."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks
+
+    def stats_for(self, namespace: bytes) -> NamespaceStats:
+        stats = self.ns_stats.get(namespace)
+        if stats is None:
+            stats = self.ns_stats[namespace] = NamespaceStats()
+        return stats
+
+    def get_new_blocks(self, n: int, namespace: bytes) -> list[Block] | None:
+        """Take ``n`` blocks (ref count 1) for ``namespace``, or ``None`` (and change nothing) if short."""
+        if n > self.num_free_blocks:
+            return None
+        out = []
+        for _ in range(n):
+            if self._free:
+                block = self.blocks[self._free.pop()]
+            else:
+                block_id, _ = self._evictable.popitem(last=False)
+                block = self.blocks[block_id]
+                self._drop_evictable_ns(block)
+                self._uncache(block)
+            block.ref_cnt = 1
+            block.namespace = namespace
+            out.append(block)
+        self.stats_for(namespace).blocks_held += n
+        return out
+
+    def touch(self, blocks: list[Block]) -> None:
+        """Take a reference on cached blocks found by a lookup (pulling them out of the LRU)."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                del self._evictable[block.block_id]
+                self._drop_evictable_ns(block)
+                self.stats_for(block.namespace).blocks_held += 1
+            block.ref_cnt += 1
+
+    def free_blocks(self, blocks_tail_first: list[Block]) -> None:
+        """Drop one reference from each block; unreferenced blocks become evictable or free."""
+        for block in blocks_tail_first:
+            block.ref_cnt -= 1
+            if block.ref_cnt < 0:
+                raise RuntimeError(f"{block} freed more often than referenced")
+            if block.ref_cnt > 0:
+                continue
+            stats = self.stats_for(block.namespace)
+            stats.blocks_held -= 1
+            if block.block_hash is None:
+                self._release(block)
+                continue
+            self._evictable[block.block_id] = None
+            ns_lru = self._evictable_by_ns.setdefault(block.namespace, OrderedDict())
+            ns_lru[block.block_id] = None
+            stats.evictable_blocks += 1
+            cap = self.max_cached_per_namespace
+            if cap is not None and len(ns_lru) > cap:
+                self._evict(self.blocks[next(iter(ns_lru))])
+
+    def cache_block(self, block: Block, block_hash: BlockHash, token_ids: tuple[int, ...]) -> bool:
+        """Register a full block under its hash; a hash already mapped keeps its block (no dedup:
+        block tables stay append-only)."""
+        if block.block_hash is not None or block_hash in self.cached:
+            return False
+        block.block_hash = block_hash
+        block.token_ids = token_ids
+        self.cached[block_hash] = block
+        return True
+
+    def lookup(self, block_hash: BlockHash, token_ids: tuple[int, ...], namespace: bytes) -> Block | None:
+        """The cached block for a hash, only if its stored tokens and namespace match too: a hash
+        collision must never serve another sequence's (or tenant's) KV."""
+        block = self.cached.get(block_hash)
+        if block is None or block.token_ids != token_ids or block.namespace != namespace:
+            return None
+        return block
+
+    def _evict(self, block: Block) -> None:
+        del self._evictable[block.block_id]
+        self._drop_evictable_ns(block)
+        self._uncache(block)
+        self._release(block)
+
+    def _drop_evictable_ns(self, block: Block) -> None:
+        ns_lru = self._evictable_by_ns[block.namespace]
+        del ns_lru[block.block_id]
+        if not ns_lru:
+            del self._evictable_by_ns[block.namespace]
+        self.stats_for(block.namespace).evictable_blocks -= 1
+
+    def _uncache(self, block: Block) -> None:
+        if block.block_hash is not None:
+            del self.cached[block.block_hash]
+            block.block_hash = None
+            block.token_ids = None
+            self.num_evictions += 1
+            if self.zero_on_free:
+                self.blocks_to_zero.append(block.block_id)
+
+    def _release(self, block: Block) -> None:
+        if self.zero_on_free and (not self.blocks_to_zero or self.blocks_to_zero[-1] != block.block_id):
+            self.blocks_to_zero.append(block.block_id)
+        block.namespace = None
+        self._free.append(block.block_id)

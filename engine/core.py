@@ -1,0 +1,188 @@
+"""LLMEngine: the synchronous step loop over scheduler, model runner and output processing."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import random
+import time
+import uuid
+from collections.abc import Sequence as Seq
+
+import torch
+
+from engine.config import EngineConfig
+from engine.errors import InvalidRequestError, PromptTooLongError
+from engine.kv_cache_manager import KVCacheManager
+from engine.model_runner import ModelRunner
+from engine.outputs import RequestState
+from engine.request import RequestOutput, RequestStatus, SamplingParams, Sequence
+from engine.scheduler import Scheduler
+from engine.setup import LoadedModel, load_model
+from engine.stats import EngineStats, StatsTracker
+
+logger = logging.getLogger("kvgate.engine")
+
+
+class LLMEngine:
+    """Paged-KV inference engine: continuous batching, chunked prefill, preemption, prefix cache.
+
+    Example:
+        >>> engine = LLMEngine(EngineConfig())
+        >>> [out] = engine.generate(["Hello"], SamplingParams(temperature=0, max_tokens=8))
+        >>> out.text, out.finish_reason
+    """
+
+    def __init__(self, config: EngineConfig | None = None, *, loaded: LoadedModel | None = None) -> None:
+        self.config = config = config or EngineConfig()
+        self.loaded = loaded or load_model(config)
+        self.tokenizer = self.loaded.tokenizer
+        self.model_name = self.loaded.name
+        self.max_model_len = self.loaded.max_model_len
+        self.block_size = config.block_size
+        self.kv = KVCacheManager(self.loaded.num_blocks, config.block_size,
+                                 enable_prefix_caching=config.enable_prefix_caching,
+                                 max_cached_per_namespace=config.max_cached_blocks_per_namespace)
+        self.kv.pool.zero_on_free = config.zero_freed_blocks
+        self.scheduler = Scheduler(config, self.kv)
+        self.runner = ModelRunner(self.loaded.model, self.loaded.kv_caches, config.block_size,
+                                  self.loaded.device)
+        self.requests: dict[str, RequestState] = {}
+        self._seq_ids = itertools.count()
+        self._rng = random.Random(config.seed)
+        self.stats_tracker = StatsTracker()
+
+    # ---- requests -------------------------------------------------------------------------------
+    def _tokenize(self, prompt: str | Seq[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt must not be empty")
+            return self.tokenizer.encode(prompt, add_special_tokens=False) or []
+        if not isinstance(prompt, (list, tuple)) or not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            raise InvalidRequestError("prompt must be a string or a list of token ids")
+        vocab = self.loaded.model_config.vocab_size
+        if any(t < 0 or t >= vocab for t in prompt):
+            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
+        return list(prompt)
+
+    def add_request(self, prompt: str | Seq[int], params: SamplingParams | None = None,
+                    request_id: str | None = None, *, cache_namespace: bytes = b"", priority: int = 0,
+                    arrival_time: float | None = None) -> str:
+        """Queue a request.
+
+        Args:
+            prompt: Text (tokenized without special tokens) or token ids.
+            params: Sampling parameters; defaults to ``SamplingParams()``.
+            request_id: Unique id; generated when omitted.
+            cache_namespace: Opaque prefix-cache scope; blocks are never shared across namespaces.
+            priority: Lower runs first under the ``priority`` scheduling policy.
+
+        Returns:
+            The request id.
+
+        Raises:
+            InvalidRequestError: Empty or out-of-vocabulary prompt, duplicate id, bad parameters.
+            PromptTooLongError: The prompt exceeds the context, or prompt + max_tokens the whole KV pool.
+        """
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError("params must be a SamplingParams")
+        if not isinstance(cache_namespace, bytes):
+            raise InvalidRequestError("cache_namespace must be bytes")
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        prompt_ids = self._tokenize(prompt)
+        if not prompt_ids:
+            raise InvalidRequestError("prompt must not be empty")
+        if len(prompt_ids) >= self.max_model_len:
+            raise PromptTooLongError(f"prompt has {len(prompt_ids)} tokens; the model's context is "
+                                     f"{self.max_model_len} (at least one token must be generated)")
+        max_len = min(len(prompt_ids) + params.max_tokens, self.max_model_len)
+        if self.kv.blocks_needed(max_len) > self.kv.pool.num_blocks:
+            raise PromptTooLongError(
+                f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({params.max_tokens}) needs "
+                f"{self.kv.blocks_needed(max_len)} KV blocks; the whole pool has {self.kv.pool.num_blocks}")
+        now = arrival_time if arrival_time is not None else time.monotonic()
+        base_seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        seqs = [Sequence(next(self._seq_ids), request_id, i, prompt_ids, params, arrival_time=now,
+                         priority=priority, cache_namespace=cache_namespace, sample_seed=base_seed,
+                         max_len=max_len) for i in range(params.n)]
+        self.requests[request_id] = RequestState(request_id, prompt_ids, params, seqs, self.tokenizer,
+                                                 self.loaded.eos_token_ids)
+        for i, seq in enumerate(seqs):
+            self.scheduler.add(seq, leader=seqs[0] if i else None)
+        return request_id
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Abort a request, freeing its blocks at once. Unknown or finished ids are ignored."""
+        state = self.requests.pop(request_id, None)
+        if state is None:
+            return None
+        for seq in state.seqs:
+            if not seq.is_finished:
+                self.scheduler.finish(seq, RequestStatus.FINISHED_ABORTED)
+        return state.make_output()
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # ---- stepping -------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run one forward pass, sample, and return outputs of requests that progressed."""
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        if self.kv.pool.blocks_to_zero:
+            self.runner.zero_blocks(self.kv.pool.blocks_to_zero)
+            self.kv.pool.blocks_to_zero.clear()
+        t0 = time.perf_counter()
+        seqs, tokens, logprobs = self.runner.execute(sched.scheduled)
+        now = time.monotonic()
+        touched: dict[str, RequestState] = {}
+        for seq, n in sched.scheduled:
+            if seq.num_computed_tokens < seq.prompt_len:
+                k = min(n, seq.prompt_len - seq.num_computed_tokens)
+                seq.num_prefill_computed += k
+                self.kv.pool.stats_for(seq.cache_namespace).computed_tokens += k
+            seq.num_computed_tokens += n
+            self.kv.cache_full_blocks(seq)
+        for seq, token, lp in zip(seqs, tokens, logprobs, strict=True):
+            state = self.requests[seq.request_id]
+            status = state.append_token(seq, token, lp, now)
+            if status is not None:
+                self.scheduler.finish(seq, status)
+            touched[seq.request_id] = state
+        self.stats_tracker.record_step(sched.num_tokens, len(tokens), time.perf_counter() - t0)
+        outputs = []
+        for request_id, state in touched.items():
+            outputs.append(state.make_output())
+            if state.finished:
+                del self.requests[request_id]
+        return outputs
+
+    def generate(self, prompts: str | Seq[int] | list, params: SamplingParams | list[SamplingParams] | None = None,
+                 ) -> list[RequestOutput]:
+        """Run prompts (strings or token-id lists) to completion; one result per prompt, in order.
+
+        Args:
+            prompts: One prompt or a list of prompts.
+            params: One ``SamplingParams`` for all prompts, or a list with one per prompt.
+        """
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise InvalidRequestError("params must be one SamplingParams or a list with one per prompt")
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params_list, strict=True)]
+        final: dict[str, RequestOutput] = {}
+        while len(final) < len(ids):
+            for out in self.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[i] for i in ids]
+
+    def stats(self) -> EngineStats:
+        """A snapshot of queue, KV and throughput figures."""
+        return self.stats_tracker.snapshot(self.scheduler, self.kv)

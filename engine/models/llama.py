@@ -1,0 +1,126 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2) over a flattened, unpadded token batch and a paged KV cache."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.errors import ModelLoadError
+from engine.loader import ModelConfig
+from kernels import AttentionMetadata, paged_attention, store_kv
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm exactly as transformers computes it (float32 statistics, cast back before the weight)."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE. x: [T, H, Dh]; cos, sin: [T, 1, Dh]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.split = (q, kv, kv)
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.eps = cfg.rms_norm_eps
+        self.scale = cfg.head_dim ** -0.5
+        self.input_norm = nn.Parameter(torch.ones(cfg.hidden_size))
+        self.post_norm = nn.Parameter(torch.ones(cfg.hidden_size))
+        self.qkv = nn.Linear(cfg.hidden_size, q + 2 * kv, bias=cfg.qkv_bias)
+        self.o = nn.Linear(q, cfg.hidden_size, bias=cfg.o_bias)
+        self.gate_up = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
+                kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        # x: [T, hidden]
+        t = x.shape[0]
+        q, k, v = self.qkv(rms_norm(x, self.input_norm, self.eps)).split(self.split, dim=-1)
+        q = apply_rope(q.view(t, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rope(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
+        store_kv(k, v.view(t, self.num_kv_heads, self.head_dim), kv_cache[0], kv_cache[1], meta.slot_mapping)
+        x = x + self.o(paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale))
+        gate, up = self.gate_up(rms_norm(x, self.post_norm, self.eps)).chunk(2, dim=-1)
+        return x + self.down(F.silu(gate) * up)
+
+
+class LlamaForCausalLM(nn.Module):
+    """The model. ``forward`` returns hidden states; ``compute_logits`` only for the rows that sample."""
+
+    def __init__(self, cfg: ModelConfig, max_model_len: int) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.init_rope(max_model_len)
+
+    def init_rope(self, max_model_len: int) -> None:
+        """cos/sin for every position, in float32 as transformers computes them (cast at use)."""
+        freqs = torch.outer(torch.arange(max_model_len, dtype=torch.float32, device="cpu"), self.cfg.inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos_cache", emb.cos() * self.cfg.rope_attention_scaling, persistent=False)
+        self.register_buffer("sin_cache", emb.sin() * self.cfg.rope_attention_scaling, persistent=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        # input_ids, positions: [T] → hidden [T, hidden]
+        x = self.embed(input_ids)
+        cos = self.cos_cache[positions].to(x.dtype).unsqueeze(1)
+        sin = self.sin_cache[positions].to(x.dtype).unsqueeze(1)
+        for layer, kv in zip(self.layers, kv_caches, strict=True):
+            x = layer(x, cos, sin, meta, kv)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [N, hidden] → float32 logits [N, vocab]."""
+        weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(rms_norm(hidden, self.norm, self.cfg.rms_norm_eps), weight).float()
+
+    def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Fuse and copy transformers' parameter names into ours; every expected weight must be present."""
+        own = {name: p for name, p in self.named_parameters()}
+        mapped: dict[str, torch.Tensor] = {}
+        get = _getter(state)
+        mapped["embed.weight"] = get("model.embed_tokens.weight")
+        mapped["norm"] = get("model.norm.weight")
+        if self.lm_head is not None:
+            mapped["lm_head.weight"] = get("lm_head.weight")
+        for i in range(self.cfg.num_layers):
+            p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
+            mapped[f"layers.{i}.input_norm"] = get(p + "input_layernorm.weight")
+            mapped[f"layers.{i}.post_norm"] = get(p + "post_attention_layernorm.weight")
+            mapped[f"layers.{i}.qkv.weight"] = torch.cat([get(a + f"{x}_proj.weight") for x in "qkv"])
+            if self.cfg.qkv_bias:
+                mapped[f"layers.{i}.qkv.bias"] = torch.cat([get(a + f"{x}_proj.bias") for x in "qkv"])
+            mapped[f"layers.{i}.o.weight"] = get(a + "o_proj.weight")
+            if self.cfg.o_bias:
+                mapped[f"layers.{i}.o.bias"] = get(a + "o_proj.bias")
+            mlp = p + "mlp."
+            mapped[f"layers.{i}.gate_up.weight"] = torch.cat([get(mlp + "gate_proj.weight"),
+                                                              get(mlp + "up_proj.weight")])
+            mapped[f"layers.{i}.down.weight"] = get(mlp + "down_proj.weight")
+        with torch.no_grad():
+            for name, tensor in mapped.items():
+                if own[name].shape != tensor.shape:
+                    raise ModelLoadError(f"weight {name}: expected shape {tuple(own[name].shape)}, "
+                                         f"got {tuple(tensor.shape)}")
+                own[name].copy_(tensor)
+
+
+def _getter(state: dict[str, torch.Tensor]):
+    def get(name: str) -> torch.Tensor:
+        if name not in state:
+            raise ModelLoadError(f"checkpoint is missing weight {name!r}")
+        return state[name]
+    return get

@@ -1,0 +1,100 @@
+"""Per-request output state: stop conditions, incremental text, and the RequestOutput snapshots."""
+
+from __future__ import annotations
+
+from engine.detokenizer import IncrementalDetokenizer
+from engine.request import (CompletionOutput, RequestMetrics, RequestOutput, RequestStatus, SamplingParams,
+                            Sequence, TokenLogprobs)
+
+
+class _SampleText:
+    """Text state of one sample: incremental decoder plus what was last handed out."""
+
+    __slots__ = ("detok", "text", "sent_tokens", "sent_text")
+
+    def __init__(self, detok: IncrementalDetokenizer) -> None:
+        self.detok = detok
+        self.text = ""
+        self.sent_tokens = 0
+        self.sent_text = 0
+
+
+class RequestState:
+    def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, seqs: list[Sequence],
+                 tokenizer, eos_token_ids: tuple[int, ...]) -> None:
+        self.request_id = request_id
+        self.prompt_ids = prompt_ids
+        self.params = params
+        self.seqs = seqs
+        self.eos = () if params.ignore_eos else eos_token_ids
+        self.samples = [_SampleText(IncrementalDetokenizer(tokenizer, prompt_ids, params.skip_special_tokens))
+                        for _ in seqs]
+        self._max_stop = max((len(s) for s in params.stop), default=0)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)
+
+    def append_token(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None,
+                     now: float) -> RequestStatus | None:
+        """Record a sampled token; return the finishing status if the sequence is done."""
+        seq.all_token_ids.append(token)
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        seq.last_token_time = now
+        seq.token_times.append(now)
+        if logprobs is not None:
+            seq.logprobs.append(logprobs)
+        sample = self.samples[seq.sample_index]
+        stop_token = token in self.params.stop_token_ids or token in self.eos
+        sample.text += sample.detok.add(token, final=stop_token or seq.num_tokens >= seq.max_len)
+        if stop_token:
+            seq.stop_reason = token if token in self.params.stop_token_ids else None
+            return RequestStatus.FINISHED_STOPPED
+        if self._max_stop and self._check_stop_strings(seq, sample):
+            return RequestStatus.FINISHED_STOPPED
+        if seq.num_tokens >= seq.max_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _check_stop_strings(self, seq: Sequence, sample: _SampleText) -> bool:
+        # Only the tail can hold a new match: the last delta plus len(stop) - 1 characters before it.
+        window_start = max(0, sample.sent_text - self._max_stop)
+        best = -1
+        for stop in self.params.stop:
+            idx = sample.text.find(stop, window_start)
+            if idx != -1 and (best == -1 or idx < best):
+                best, seq.stop_reason = idx, stop
+        if best == -1:
+            return False
+        sample.text = sample.text[:best]
+        return True
+
+    def make_output(self) -> RequestOutput:
+        outs = []
+        for seq, sample in zip(self.seqs, self.samples, strict=True):
+            if seq.status is RequestStatus.FINISHED_ABORTED or (seq.is_finished and seq.status is not
+                                                                RequestStatus.FINISHED_STOPPED):
+                sample.text += sample.detok.flush(final=True)
+            ids = seq.output_token_ids
+            finish = seq.status.value if seq.is_finished else None
+            outs.append(CompletionOutput(
+                index=seq.sample_index, token_ids=list(ids), text=sample.text,
+                new_token_ids=ids[sample.sent_tokens:], new_text=sample.text[sample.sent_text:],
+                finish_reason=finish, logprobs=list(seq.logprobs) if self.params.logprobs is not None else None,
+                stop_reason=seq.stop_reason))
+            sample.sent_tokens, sample.sent_text = len(ids), len(sample.text)
+        return RequestOutput(self.request_id, self.prompt_ids, outs, self.finished,
+                             self.seqs[0].num_cached_tokens, self._metrics())
+
+    def _metrics(self) -> RequestMetrics:
+        seq = self.seqs[0]
+        m = RequestMetrics(arrival_time=seq.arrival_time, num_preemptions=sum(s.num_preemptions for s in self.seqs))
+        if seq.first_scheduled_time is not None:
+            m.queue_time = seq.first_scheduled_time - seq.arrival_time
+        if seq.first_token_time is not None:
+            m.time_to_first_token = seq.first_token_time - seq.arrival_time
+        if len(seq.token_times) > 1:
+            m.mean_time_per_output_token = (seq.token_times[-1] - seq.token_times[0]) / (len(seq.token_times) - 1)
+        m.finish_time = seq.finish_time
+        return m

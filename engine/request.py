@@ -1,0 +1,224 @@
+"""Sampling parameters, per-sequence state and the outputs handed back to callers."""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+
+from engine.errors import InvalidSamplingParamsError
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise InvalidSamplingParamsError(msg)
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_num(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How to sample one request.
+
+    Attributes:
+        n: Independent completions per prompt (they share the prompt's KV blocks).
+        max_tokens: Most tokens to generate (capped by the context left).
+        temperature: 0 means greedy.
+        top_p: Nucleus sampling mass in (0, 1].
+        top_k: Keep the k most likely tokens; 0 or -1 disables.
+        seed: Makes sampling reproducible; draws depend only on (seed, sample index, position).
+        stop: Strings that end generation; the stop string is not returned.
+        stop_token_ids: Token ids that end generation (returned in ``token_ids``).
+        ignore_eos: Keep generating past the end-of-sequence token.
+        logprobs: Return the top-N log-probabilities per generated token (0 = only the chosen one).
+        skip_special_tokens: Leave special tokens out of ``text``.
+    """
+
+    n: int = 1
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        _check(_is_int(self.n) and 1 <= self.n <= 128, f"n must be an integer in [1, 128], got {self.n!r}")
+        _check(_is_int(self.max_tokens) and self.max_tokens >= 1,
+               f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        _check(_is_num(self.temperature) and 0.0 <= self.temperature <= 100.0,
+               f"temperature must be a finite number in [0, 100], got {self.temperature!r}")
+        _check(_is_num(self.top_p) and 0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p!r}")
+        _check(_is_int(self.top_k) and self.top_k >= -1, f"top_k must be an integer >= -1, got {self.top_k!r}")
+        _check(self.seed is None or _is_int(self.seed), f"seed must be an integer, got {self.seed!r}")
+        _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20),
+               f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        elif self.stop is None:
+            self.stop = []
+        _check(isinstance(self.stop, (list, tuple)) and all(isinstance(s, str) and s for s in self.stop),
+               "stop must be a non-empty string or a list of non-empty strings")
+        self.stop = list(self.stop)
+        _check(isinstance(self.stop_token_ids, (list, tuple)) and all(_is_int(t) and t >= 0
+                                                                       for t in self.stop_token_ids),
+               "stop_token_ids must be a list of non-negative integers")
+        self.stop_token_ids = list(self.stop_token_ids)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                        RequestStatus.FINISHED_ABORTED)
+
+
+@dataclass(slots=True)
+class TokenLogprobs:
+    """Log-probabilities of one generated token: the chosen one and the top-N alternatives."""
+
+    token_id: int
+    logprob: float
+    top: dict[int, float]
+
+
+class Sequence:
+    """Hot, mutable per-token state of one sequence (one of a request's ``n`` samples).
+
+    ``all_token_ids`` is prompt followed by output. ``num_computed_tokens`` counts tokens whose K/V are
+    in the cache; after a preemption it drops to 0 and the whole thing is recomputed.
+    """
+
+    __slots__ = ("seq_id", "request_id", "sample_index", "params", "prompt_len", "all_token_ids",
+                 "status", "num_computed_tokens", "num_cached_tokens", "block_ids", "priority",
+                 "arrival_time", "first_scheduled_time", "first_token_time", "last_token_time",
+                 "finish_time", "logprobs", "cache_namespace", "sample_seed", "max_len",
+                 "num_preemptions", "stop_reason", "token_times", "num_prefill_computed")
+
+    def __init__(self, seq_id: int, request_id: str, sample_index: int, prompt_token_ids: list[int],
+                 params: SamplingParams, *, arrival_time: float, priority: int = 0,
+                 cache_namespace: bytes = b"", sample_seed: int = 0, max_len: int) -> None:
+        self.seq_id = seq_id
+        self.request_id = request_id
+        self.sample_index = sample_index
+        self.params = params
+        self.prompt_len = len(prompt_token_ids)
+        self.all_token_ids = list(prompt_token_ids)
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0          # prompt tokens served from the prefix cache
+        self.num_prefill_computed = 0       # prompt tokens actually run through the model
+        self.block_ids: list[int] = []
+        self.priority = priority
+        self.arrival_time = arrival_time
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
+        self.finish_time: float | None = None
+        self.token_times: list[float] = []
+        self.logprobs: list[TokenLogprobs] = []
+        self.cache_namespace = cache_namespace
+        self.sample_seed = sample_seed
+        self.max_len = max_len              # prompt + generated never exceeds this
+        self.num_preemptions = 0
+        self.stop_reason: str | int | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - self.prompt_len
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[self.prompt_len:]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def __repr__(self) -> str:  # never the prompt itself: lengths only
+        return (f"Sequence(id={self.seq_id}, req={self.request_id!r}, prompt_len={self.prompt_len}, "
+                f"out_len={self.num_output_tokens}, computed={self.num_computed_tokens}, "
+                f"status={self.status.value})")
+
+
+@dataclass(slots=True)
+class RequestMetrics:
+    """Per-request timing in seconds (monotonic clock differences)."""
+
+    arrival_time: float
+    queue_time: float | None = None          # arrival → first scheduled
+    time_to_first_token: float | None = None  # arrival → first token
+    mean_time_per_output_token: float | None = None
+    finish_time: float | None = None
+    num_preemptions: int = 0
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    """One sample of a request: cumulative ``token_ids``/``text`` and the delta since the last output."""
+
+    index: int
+    token_ids: list[int]
+    text: str
+    new_token_ids: list[int]
+    new_text: str
+    finish_reason: str | None
+    logprobs: list[TokenLogprobs] | None = None
+    stop_reason: str | int | None = None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What the engine hands back for a request, incrementally and at the end.
+
+    ``token_ids``, ``text``, ``finish_reason`` and ``logprobs`` are those of sample 0, the whole story
+    when ``n == 1``; ``outputs`` holds every sample.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int
+    metrics: RequestMetrics
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
+    @property
+    def logprobs(self) -> list[TokenLogprobs] | None:
+        return self.outputs[0].logprobs

@@ -1,0 +1,104 @@
+"""Build everything the engine runs on: model weights, tokenizer, thread pinning and the KV pool."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import torch
+
+from engine.config import EngineConfig
+from engine.errors import ModelLoadError
+from engine.loader import (DEFAULT_MODEL_NAME, ModelConfig, load_model_config, load_state_dict, load_tokenizer,
+                           resolve_model_dir)
+from engine.models import LlamaForCausalLM
+
+logger = logging.getLogger("kvgate.engine")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    name: str
+    model_dir: Path
+    model: LlamaForCausalLM
+    model_config: ModelConfig
+    tokenizer: object
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    num_blocks: int
+    max_model_len: int
+    device: torch.device
+    dtype: torch.dtype
+    eos_token_ids: tuple[int, ...]
+
+
+def pin_threads(num_threads: int | None) -> int:
+    """Pin torch's intra-op threads (small-M matmuls are erratic when threads are oversubscribed)."""
+    n = num_threads or psutil.cpu_count(logical=False) or os.cpu_count() or 1
+    torch.set_num_threads(n)
+    return n
+
+
+def _model_name(model: str | None) -> str:
+    if model in (None, "default", DEFAULT_MODEL_NAME):
+        return DEFAULT_MODEL_NAME
+    return Path(model).stem if model.endswith(".gguf") else Path(model).name
+
+
+def _num_blocks(config: EngineConfig, mc: ModelConfig, dtype: torch.dtype, device: torch.device) -> int:
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks
+    per_block = 2 * mc.num_layers * config.block_size * mc.num_kv_heads * mc.head_dim * dtype.itemsize
+    if config.kv_cache_memory is not None:
+        budget = config.kv_cache_memory
+    elif device.type == "cuda":
+        budget = int(torch.cuda.mem_get_info(device)[0] * config.kv_cache_fraction)
+    else:
+        budget = int(psutil.virtual_memory().available * config.kv_cache_fraction)
+    n = budget // per_block
+    if n < 1:
+        raise ValueError(f"KV cache budget of {budget} bytes holds no block ({per_block} bytes each)")
+    return n
+
+
+def build_model(mc: ModelConfig, state: dict, max_model_len: int, dtype: torch.dtype,
+                device: torch.device) -> LlamaForCausalLM:
+    """Construct on the meta device (no wasted random init), then materialize and copy the weights."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(mc, max_model_len)
+    model = model.to_empty(device="cpu")
+    model.init_rope(max_model_len)
+    model.load_hf_state_dict(state)
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def load_model(config: EngineConfig) -> LoadedModel:
+    """Resolve, load and place the model; allocate the KV pool. Logs "N blocks = M tokens"."""
+    device = torch.device(config.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError("device 'cuda' requested but no CUDA device is available")
+    if device.type == "cpu":
+        pin_threads(config.num_threads)
+    dtype = _DTYPES[config.dtype]
+    model_dir = resolve_model_dir(config.model, config.cache_dir)
+    mc = load_model_config(model_dir)
+    max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+    model = build_model(mc, load_state_dict(model_dir), max_model_len, dtype, device)
+    tokenizer = load_tokenizer(Path(config.tokenizer) if config.tokenizer else model_dir)
+    num_blocks = _num_blocks(config, mc, dtype, device)
+    shape = (num_blocks, config.block_size, mc.num_kv_heads, mc.head_dim)
+    # Zeroed, not empty: a fresh pool must never expose memory this process used for something else.
+    kv_caches = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+                 for _ in range(mc.num_layers)]
+    nbytes = 2 * mc.num_layers * kv_caches[0][0].numel() * dtype.itemsize
+    logger.info("KV cache: %d blocks = %d tokens (%.0f MiB, %s)", num_blocks, num_blocks * config.block_size,
+                nbytes / 2**20, config.dtype)
+    eos = set(mc.eos_token_ids)
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        eos.add(tokenizer.eos_token_id)
+    return LoadedModel(_model_name(config.model), model_dir, model, mc, tokenizer, kv_caches, num_blocks,
+                       max_model_len, device, dtype, tuple(sorted(eos)))

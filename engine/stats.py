@@ -1,0 +1,59 @@
+"""Engine statistics: a snapshot object (the gateway turns it into Prometheus metrics)."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True, frozen=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_kv_blocks_total: int
+    num_kv_blocks_used: int
+    num_kv_blocks_cached: int
+    num_preemptions: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    prefix_cache_hit_tokens: int
+    prompt_tokens_computed: int
+    num_steps: int
+    tokens_per_second: float          # generated tokens/s over the last ~10 s of steps
+    batched_tokens_per_second: float  # all tokens run through the model, same window
+    namespaces: dict[bytes, dict[str, int]] = field(default_factory=dict)
+
+
+class StatsTracker:
+    def __init__(self, window_s: float = 10.0) -> None:
+        self.window_s = window_s
+        self.num_steps = 0
+        self._recent: deque[tuple[float, int, int, float]] = deque()  # (t, batched, generated, secs)
+
+    def record_step(self, num_batched: int, num_generated: int, seconds: float) -> None:
+        self.num_steps += 1
+        now = time.monotonic()
+        self._recent.append((now, num_batched, num_generated, seconds))
+        while self._recent and now - self._recent[0][0] > self.window_s:
+            self._recent.popleft()
+
+    def snapshot(self, scheduler, kv) -> EngineStats:
+        span = (self._recent[-1][0] - self._recent[0][0] + self._recent[0][3]) if self._recent else 0.0
+        gen = sum(r[2] for r in self._recent)
+        batched = sum(r[1] for r in self._recent)
+        ns = {k: {"blocks_held": v.blocks_held, "evictable_blocks": v.evictable_blocks, "queries": v.queries,
+                  "hits": v.hits, "cached_tokens": v.cached_tokens, "computed_tokens": v.computed_tokens}
+              for k, v in kv.namespace_stats().items()}
+        pool = kv.pool
+        return EngineStats(
+            num_running=len(scheduler.running), num_waiting=len(scheduler.waiting),
+            num_kv_blocks_total=pool.num_blocks, num_kv_blocks_used=pool.num_used_blocks,
+            num_kv_blocks_cached=len(pool.cached), num_preemptions=scheduler.num_preemptions,
+            prefix_cache_queries=sum(v["queries"] for v in ns.values()),
+            prefix_cache_hits=sum(v["hits"] for v in ns.values()),
+            prefix_cache_hit_tokens=sum(v["cached_tokens"] for v in ns.values()),
+            prompt_tokens_computed=sum(v["computed_tokens"] for v in ns.values()),
+            num_steps=self.num_steps,
+            tokens_per_second=gen / span if span > 0 else 0.0,
+            batched_tokens_per_second=batched / span if span > 0 else 0.0, namespaces=ns)

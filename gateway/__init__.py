@@ -1,0 +1,1 @@
+"""kvgate gateway: the OpenAI-compatible HTTPS API, tenants, admission and the CLI."""

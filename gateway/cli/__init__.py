@@ -1,0 +1,29 @@
+"""The ``kvgate`` command line: one typer app; each area registers its own sub-commands."""
+
+from __future__ import annotations
+
+import typer
+
+app = typer.Typer(
+    name="kvgate",
+    help="kvgate: a multi-tenant, secure LLM inference gateway with its own paged-KV engine.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_show_locals=False,
+)
+
+
+def _register() -> None:
+    # Each module adds its commands to `app`; imports are deferred so `kvgate --help` stays fast.
+    from gateway.cli import model_cmds  # noqa: F401  (model prepare, generate)
+    from gateway.cli import bench_cmds  # noqa: F401  (bench ...)
+
+    for optional in ("serve_cmds", "admin_cmds", "db_cmds", "audit_cmds"):
+        try:
+            __import__(f"gateway.cli.{optional}")
+        except ModuleNotFoundError as e:
+            if e.name != f"gateway.cli.{optional}":
+                raise
+
+
+_register()

@@ -1,0 +1,38 @@
+"""Shared fixtures: the real default model (converted once) and tiny random checkpoints."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import EngineConfig, LLMEngine
+from engine.loader import resolve_model_dir
+from engine.testing import make_tiny_model_dir
+
+
+@pytest.fixture(scope="session")
+def default_model_dir():
+    return resolve_model_dir(None)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory):
+    return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-llama"), "llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_engine_factory(tiny_llama_dir):
+    """Build LLMEngines over the tiny Llama with config overrides (weights loaded once per engine)."""
+
+    def make(**overrides) -> LLMEngine:
+        overrides.setdefault("num_kv_blocks", 64)
+        return LLMEngine(EngineConfig(model=str(tiny_llama_dir), **overrides))
+
+    return make
+
+
+@pytest.fixture(autouse=True)
+def _threads():
+    # The engine pins torch's threads; keep the tests on the machine's 2 cores whatever ran before.
+    yield
+    torch.set_num_threads(max(1, torch.get_num_threads()))
