@@ -1,0 +1,115 @@
+"""Audit event names, their allowed fields, and the ``AuditEvent`` the store appends."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from audit.context import get_request_context
+
+AUTH_SUCCEEDED = "auth.succeeded"
+AUTH_FAILED = "auth.failed"
+REQUEST_ADMITTED = "request.admitted"
+REQUEST_REJECTED = "request.rejected"
+REQUEST_FINISHED = "request.finished"
+ADMIN_ACTION = "admin.action"
+POLICY_VERSION_CREATED = "policy.version_created"
+KEY_CREATED = "key.created"
+KEY_ROTATED = "key.rotated"
+KEY_REVOKED = "key.revoked"
+KEY_EXPIRED = "key.expired"
+ADMIN_TOKEN_CREATED = "admin_token.created"
+ADMIN_TOKEN_REVOKED = "admin_token.revoked"
+AUDIT_EXPORTED = "audit.exported"
+AUDIT_PURGED = "audit.purged"
+RETENTION_RECORD_READ = "retention.record_read"
+RETENTION_KEY_SHREDDED = "retention.key_shredded"
+SERVICE_STARTED = "service.started"
+SERVICE_STOPPED = "service.stopped"
+
+_REQUEST_COMMON = ("model", "num_prompt_tokens", "prompt_hash", "determinism", "policy_version")
+# name -> fields allowed in ``data``. Top-level ids (tenant, key, request, actor) are columns, not data.
+EVENT_FIELDS: dict[str, frozenset[str]] = {
+    AUTH_SUCCEEDED: frozenset({"method", "path", "scopes"}),
+    AUTH_FAILED: frozenset({"method", "path", "reason"}),
+    REQUEST_ADMITTED: frozenset({*_REQUEST_COMMON, "max_tokens", "priority"}),
+    REQUEST_REJECTED: frozenset({*_REQUEST_COMMON, "reason", "violations", "status_code"}),
+    REQUEST_FINISHED: frozenset({
+        *_REQUEST_COMMON, "num_completion_tokens", "num_cached_tokens", "latency_ms", "ttft_ms",
+        "finish_reason", "status_code", "is_stream",
+    }),
+    ADMIN_ACTION: frozenset({"action", "target_type", "target_id", "before", "after", "status_code"}),
+    POLICY_VERSION_CREATED: frozenset({"version", "previous_version", "before", "after", "comment"}),
+    KEY_CREATED: frozenset({"name", "expires_at", "scopes"}),
+    KEY_ROTATED: frozenset({"rotated_to", "expires_at"}),
+    KEY_REVOKED: frozenset({"reason"}),
+    KEY_EXPIRED: frozenset({"expired_at"}),
+    ADMIN_TOKEN_CREATED: frozenset({"admin_id", "name"}),
+    ADMIN_TOKEN_REVOKED: frozenset({"admin_id", "reason"}),
+    AUDIT_EXPORTED: frozenset({"since", "until", "tenant", "format", "num_events", "first_seq", "last_seq",
+                               "manifest_sha256"}),
+    AUDIT_PURGED: frozenset({"before", "cut_seq", "num_deleted"}),
+    RETENTION_RECORD_READ: frozenset({"record_id"}),
+    RETENTION_KEY_SHREDDED: frozenset({"num_records"}),
+    SERVICE_STARTED: frozenset({"version", "pid"}),
+    SERVICE_STOPPED: frozenset({"pid"}),
+}
+
+# Keys dropped from admin before/after snapshots at any depth: the audit trail never holds secrets.
+SECRET_FIELD_NAMES = frozenset({
+    "secret", "secret_hash", "token", "token_hash", "api_key", "key", "password", "pepper", "private_key",
+    "wrapped_key", "data_key", "master_key", "authorization",
+})
+
+
+def strip_secrets(value: Any) -> Any:
+    """A copy of ``value`` without secret-named keys (for admin before/after snapshots)."""
+    if isinstance(value, Mapping):
+        return {str(k): strip_secrets(v) for k, v in value.items() if str(k).lower() not in SECRET_FIELD_NAMES}
+    if isinstance(value, list | tuple):
+        return [strip_secrets(v) for v in value]
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class AuditEvent:
+    """One event before it is chained. ``data`` holds only the fields ``EVENT_FIELDS`` allows."""
+
+    name: str
+    data: dict[str, Any] = field(default_factory=dict)
+    tenant_id: str | None = None
+    key_id: str | None = None
+    request_id: str | None = None
+    actor: str | None = None
+
+    def __repr__(self) -> str:  # ids only; data may be large
+        return f"AuditEvent(name={self.name!r}, tenant_id={self.tenant_id!r}, fields={sorted(self.data)})"
+
+
+def make_event(
+    name: str,
+    *,
+    tenant_id: str | None = None,
+    key_id: str | None = None,
+    request_id: str | None = None,
+    actor: str | None = None,
+    **fields: Any,
+) -> AuditEvent:
+    """Build a validated event; ids default to the bound request context.
+
+    Raises:
+        ValueError: Unknown event name or a field outside its allow-list.
+    """
+    allowed = EVENT_FIELDS.get(name)
+    if allowed is None:
+        raise ValueError(f"unknown audit event {name!r}")
+    unknown = set(fields) - allowed
+    if unknown:
+        raise ValueError(f"fields not allowed in {name}: {sorted(unknown)}")
+    ctx = get_request_context()
+    data = {k: strip_secrets(v) for k, v in fields.items() if v is not None}
+    return AuditEvent(
+        name=name, data=data, tenant_id=tenant_id or ctx["tenant_id"], key_id=key_id or ctx["key_id"],
+        request_id=request_id or ctx["request_id"], actor=actor,
+    )

@@ -1,0 +1,84 @@
+"""Secret and personal-data patterns, and the string scrubber every audit output goes through."""
+
+from __future__ import annotations
+
+import re
+
+# kvgate tokens are ``<prefix>_<key id>_<secret>`` (gateway/secrets.py: 16 hex id, url-safe secret).
+# The scrubbers are deliberately looser than the parser so malformed or truncated tokens are caught too.
+KVG_KEY_RE = re.compile(r"kvg_([0-9A-Za-z]{1,64})_[A-Za-z0-9_\-]{4,}")
+ADMIN_TOKEN_RE = re.compile(r"kvga_([0-9A-Za-z]{1,64})_[A-Za-z0-9_\-]{4,}")
+# Strict forms, for the gateway's parsers and for tests.
+KVG_KEY_FORMAT = re.compile(r"^kvg_[0-9a-f]{16}_[A-Za-z0-9_-]{20,128}$")
+ADMIN_TOKEN_FORMAT = re.compile(r"^kvga_[0-9a-f]{16}_[A-Za-z0-9_-]{20,128}$")
+
+REDACTED = "[REDACTED]"
+
+_HEADER_NAMES = (
+    r"authorization|proxy-authorization|x-api-key|api[-_]?key|x-admin-token|cookie|set-cookie"
+    r"|password|passwd|secret|client[-_]secret|access[-_]token|refresh[-_]token|token"
+)
+_SUBSTITUTIONS: tuple[tuple[re.Pattern[str], str], ...] = (
+    (re.compile(r"-----BEGIN [A-Z0-9 ]*PRIVATE KEY-----.*?(-----END [A-Z0-9 ]*PRIVATE KEY-----|$)", re.S),
+     "[REDACTED:private-key]"),
+    (ADMIN_TOKEN_RE, r"kvga_\1_" + REDACTED),
+    (KVG_KEY_RE, r"kvg_\1_" + REDACTED),
+    # Header / key=value forms: keep the name, drop the value up to a quote, comma, brace or line end.
+    (re.compile(rf"(?i)\b({_HEADER_NAMES})\b([\"']?\s*[:=]\s*[\"']?)[^\"'\r\n,}}&]+"), r"\1\2" + REDACTED),
+    (re.compile(r"(?i)\b(bearer|basic|token)\s+[A-Za-z0-9._~+/=\-]{6,}"), r"\1 " + REDACTED),
+    (re.compile(r"\beyJ[A-Za-z0-9_\-]{5,}\.[A-Za-z0-9_\-]{5,}\.[A-Za-z0-9_\-]*"), "[REDACTED:jwt]"),
+    (re.compile(r"\bsk-(?:ant-|proj-|live-|test-)?[A-Za-z0-9_\-]{16,}"), "[REDACTED:api-key]"),
+    (re.compile(r"\b[sr]k_(?:live|test)_[A-Za-z0-9]{10,}"), "[REDACTED:api-key]"),
+    (re.compile(r"\b(?:AKIA|ASIA|AGPA|AIDA|AROA)[0-9A-Z]{16}\b"), "[REDACTED:aws-key]"),
+    (re.compile(r"\bgh[pousr]_[A-Za-z0-9]{20,}"), "[REDACTED:github-token]"),
+    (re.compile(r"\bgithub_pat_[A-Za-z0-9_]{20,}"), "[REDACTED:github-token]"),
+    (re.compile(r"\bglpat-[A-Za-z0-9_\-]{20,}"), "[REDACTED:gitlab-token]"),
+    (re.compile(r"\bxox[abposr]-[A-Za-z0-9\-]{10,}"), "[REDACTED:slack-token]"),
+    (re.compile(r"\bAIza[0-9A-Za-z_\-]{30,}"), "[REDACTED:google-key]"),
+    (re.compile(r"\bhf_[A-Za-z0-9]{30,}"), "[REDACTED:hf-token]"),
+    (re.compile(r"[A-Za-z0-9._%+\-]+@[A-Za-z0-9\-]+(?:\.[A-Za-z0-9\-]+)*\.[A-Za-z]{2,}"), "[REDACTED:email]"),
+)
+_CARD_RE = re.compile(r"(?<![0-9])(?:[0-9][ \-]?){12,18}[0-9](?![0-9])")
+
+
+def is_luhn_valid(digits: str) -> bool:
+    total = 0
+    for i, ch in enumerate(reversed(digits)):
+        d = ord(ch) - 48
+        if i % 2 == 1:
+            d = d * 2 - 9 if d > 4 else d * 2
+        total += d
+    return total % 10 == 0
+
+
+def _card_sub(match: re.Match[str]) -> str:
+    digits = re.sub(r"[ \-]", "", match.group(0))
+    if 13 <= len(digits) <= 19 and is_luhn_valid(digits):
+        return "[REDACTED:card]"
+    return match.group(0)
+
+
+def scrub_text(text: str, sensitive: tuple[str, ...] = ()) -> str:
+    """Remove every known secret form, and each ``sensitive`` value (plus its repr/JSON escapes)."""
+    for value in sensitive:
+        text = _scrub_value(text, value)
+    for pattern, replacement in _SUBSTITUTIONS:
+        text = pattern.sub(replacement, text)
+    return _CARD_RE.sub(_card_sub, text)
+
+
+def _scrub_value(text: str, value: str) -> str:
+    if len(value) < 4:
+        return text
+    # The same prompt may show up escaped (repr in a traceback, JSON in a body) or one line at a time.
+    forms = {value, repr(value)[1:-1], value.encode("unicode_escape").decode("ascii", "replace")}
+    forms.update(line for line in value.splitlines() if len(line.strip()) >= 8)
+    for form in sorted(forms, key=len, reverse=True):
+        if form and form in text:
+            text = text.replace(form, "[REDACTED:content]")
+    return text
+
+
+def is_card_number(value: int) -> bool:
+    digits = str(abs(value))
+    return 13 <= len(digits) <= 19 and is_luhn_valid(digits)

@@ -1,0 +1,267 @@
+"""Append-only audit store on SQLAlchemy async Core: serialized appends, checkpoints, purge."""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import orjson
+from sqlalchemy import event as sa_event
+from sqlalchemy import exc as sa_exc
+from sqlalchemy import func, insert, select, update
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
+
+from audit import chain
+from audit.context import get_sensitive
+from audit.events import AUDIT_PURGED, AuditEvent, make_event
+from audit.keys import AuditKeys, load_or_create_keys
+from audit.patterns import scrub_text
+from audit.tables import audit_checkpoints, audit_events, audit_head, metadata
+
+DEFAULT_CHECKPOINT_EVERY = 1000
+
+
+class AuditUnavailable(RuntimeError):
+    """The audit store could not record an event; the caller must fail closed (HTTP 503)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Head:
+    seq: int
+    link: str
+    chain_hash: str
+
+
+@dataclass(frozen=True, slots=True)
+class Checkpoint:
+    seq: int
+    link: str
+    chain_hash: str
+    created_at: str
+    signature: str
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"seq": self.seq, "link": self.link, "chain_hash": self.chain_hash,
+                "created_at": self.created_at, "signature": self.signature}
+
+
+@dataclass(frozen=True, slots=True)
+class PurgeResult:
+    cut_seq: int | None
+    num_deleted: int
+
+
+def format_ts(dt: datetime) -> str:
+    """Fixed-width ISO-8601 UTC, so stored timestamps sort as strings."""
+    return dt.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def now_ts() -> str:
+    return format_ts(datetime.now(UTC))
+
+
+@contextmanager
+def _fail_closed(operation: str) -> Iterator[None]:
+    try:
+        yield
+    except (sa_exc.DBAPIError, sa_exc.InterfaceError, OSError, ConnectionError, asyncio.TimeoutError) as e:
+        detail = scrub_text(str(getattr(e, "orig", e)).splitlines()[0] if str(e) else "")
+        raise AuditUnavailable(f"audit store unavailable ({operation}): {type(e).__name__}: {detail}") from e
+
+
+def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
+    cur = dbapi_conn.cursor()
+    cur.execute("PRAGMA journal_mode=WAL")
+    cur.execute("PRAGMA busy_timeout=30000")
+    cur.close()
+
+
+def make_audit_engine(url: str) -> AsyncEngine:
+    """An engine for stand-alone use (CLI, tests); the gateway passes its own instead."""
+    if url.startswith("sqlite"):
+        engine = create_async_engine(url, connect_args={"timeout": 30})
+        sa_event.listen(engine.sync_engine, "connect", _sqlite_pragmas)
+        return engine
+    return create_async_engine(url, pool_pre_ping=True)
+
+
+class AuditStore:
+    """The audit trail. One instance per process; any number of processes may share one database."""
+
+    def __init__(self, engine: AsyncEngine, keys: AuditKeys, *,
+                 checkpoint_every: int = DEFAULT_CHECKPOINT_EVERY, owns_engine: bool = False) -> None:
+        if checkpoint_every < 1:
+            raise ValueError("checkpoint_every must be >= 1")
+        self.engine = engine
+        self.keys = keys
+        self.checkpoint_every = checkpoint_every
+        self._owns_engine = owns_engine
+        # Appends in one process queue here instead of spinning on the database lock.
+        self._local_lock = asyncio.Lock()
+
+    @classmethod
+    async def open(cls, url: str, data_dir: Path, *, checkpoint_every: int = DEFAULT_CHECKPOINT_EVERY,
+                   create_tables: bool = False) -> AuditStore:
+        store = cls(make_audit_engine(url), load_or_create_keys(data_dir),
+                    checkpoint_every=checkpoint_every, owns_engine=True)
+        await store.start(create_tables=create_tables)
+        return store
+
+    async def start(self, *, create_tables: bool = False) -> None:
+        """Ensure the head row exists (tables come from migration 0002 unless ``create_tables``)."""
+        with _fail_closed("start"):
+            if create_tables:
+                async with self.engine.begin() as conn:
+                    await conn.run_sync(metadata.create_all)
+            try:
+                async with self.engine.begin() as conn:
+                    if (await conn.execute(select(audit_head.c.id))).first() is None:
+                        await conn.execute(insert(audit_head).values(
+                            id=1, seq=0, link=chain.GENESIS, chain_hash=chain.GENESIS, num_writes=0))
+            except sa_exc.IntegrityError:
+                pass  # another process created it first
+
+    async def close(self) -> None:
+        """Checkpoint the head (the shutdown checkpoint) and release an owned engine."""
+        try:
+            await self.checkpoint()
+        finally:
+            if self._owns_engine:
+                await self.engine.dispose()
+
+    async def append(self, event: AuditEvent, *, conn: AsyncConnection | None = None) -> Head:
+        """Chain and store one event; inside ``conn``'s transaction when given.
+
+        Raises:
+            AuditUnavailable: The store could not be written; nothing was recorded.
+        """
+        with _fail_closed("append"):
+            if conn is not None:
+                return await self._append(conn, await _lock_head(conn), event)
+            async with self._local_lock, self.engine.begin() as own:
+                return await self._append(own, await _lock_head(own), event)
+
+    async def record(self, name: str, **fields: Any) -> Head:
+        """``append(make_event(name, **fields))``."""
+        return await self.append(make_event(name, **fields))
+
+    async def _append(self, conn: AsyncConnection, head: Head, event: AuditEvent) -> Head:
+        seq = head.seq + 1
+        record = self._new_record(seq, event)
+        tenant_hex, body_hex, canonical = chain.link_record(record)
+        link = chain.next_link(head.link, tenant_hex, body_hex)
+        chain_hash = chain.next_chain_hash(self.keys.chain_key, head.chain_hash, canonical)
+        row = {**record, "data": chain.canonical_json(record["data"]).decode(), "link": link,
+               "chain_hash": chain_hash}
+        await conn.execute(insert(audit_events).values(**row))
+        await conn.execute(update(audit_head).where(audit_head.c.id == 1).values(
+            seq=seq, link=link, chain_hash=chain_hash))
+        new_head = Head(seq, link, chain_hash)
+        if seq % self.checkpoint_every == 0:
+            await self._insert_checkpoint(conn, new_head)
+        return new_head
+
+    def _new_record(self, seq: int, event: AuditEvent) -> dict[str, Any]:
+        sensitive = get_sensitive()
+        # Round-trip through JSON so the hashed form equals what a reader will parse back.
+        data = orjson.loads(orjson.dumps(event.data, default=str,
+                                         option=orjson.OPT_NON_STR_KEYS | orjson.OPT_SORT_KEYS))
+        ids = {k: (scrub_text(v, sensitive) if v else None) for k, v in
+               (("tenant_id", event.tenant_id), ("key_id", event.key_id),
+                ("request_id", event.request_id), ("actor", event.actor))}
+        return {"seq": seq, "event_id": secrets.token_hex(16), "ts": now_ts(), "name": event.name,
+                **ids, "data": _scrub_data(data, sensitive)}
+
+    async def _insert_checkpoint(self, conn: AsyncConnection, head: Head) -> Checkpoint:
+        created_at = now_ts()
+        signature = self.keys.sign(chain.checkpoint_message(head.seq, head.link, head.chain_hash, created_at))
+        cp = Checkpoint(head.seq, head.link, head.chain_hash, created_at, signature)
+        await conn.execute(insert(audit_checkpoints).values(**cp.as_dict()))
+        return cp
+
+    async def checkpoint(self) -> Checkpoint | None:
+        """Sign the current head unless it is already checkpointed (or the chain is empty)."""
+        with _fail_closed("checkpoint"):
+            async with self._local_lock, self.engine.begin() as conn:
+                head = await _lock_head(conn)
+                last = (await conn.execute(select(func.max(audit_checkpoints.c.seq)))).scalar()
+                if head.seq == 0 or (last is not None and last >= head.seq):
+                    return None
+                return await self._insert_checkpoint(conn, head)
+
+    async def purge(self, before: datetime, *, actor: str | None = None) -> PurgeResult:
+        """Delete the prefix of events older than ``before``, keeping a signed checkpoint at the cut.
+
+        The chain stays verifiable from that checkpoint; the purge itself is recorded as an event.
+        """
+        with _fail_closed("purge"):
+            async with self._local_lock, self.engine.begin() as conn:
+                head = await _lock_head(conn)
+                cut = (await conn.execute(select(func.max(audit_events.c.seq)).where(
+                    audit_events.c.ts < format_ts(before)))).scalar()
+                num_deleted = 0
+                if cut is not None:
+                    await self._ensure_checkpoint_at(conn, cut)
+                    result = await conn.execute(audit_events.delete().where(audit_events.c.seq <= cut))
+                    num_deleted = result.rowcount or 0
+                event = make_event(AUDIT_PURGED, actor=actor, before=format_ts(before), cut_seq=cut,
+                                   num_deleted=num_deleted)
+                await self._append(conn, head, event)
+                return PurgeResult(cut, num_deleted)
+
+    async def _ensure_checkpoint_at(self, conn: AsyncConnection, seq: int) -> None:
+        exists = (await conn.execute(select(audit_checkpoints.c.seq).where(
+            audit_checkpoints.c.seq == seq))).first()
+        if exists is None:
+            row = (await conn.execute(select(audit_events.c.link, audit_events.c.chain_hash).where(
+                audit_events.c.seq == seq))).one()
+            await self._insert_checkpoint(conn, Head(seq, row.link, row.chain_hash))
+
+    async def head(self) -> Head:
+        with _fail_closed("head"):
+            async with self.engine.connect() as conn:
+                row = (await conn.execute(select(audit_head).where(audit_head.c.id == 1))).one()
+                return Head(row.seq, row.link, row.chain_hash)
+
+    async def iter_records(self, first_seq: int, last_seq: int, *, batch: int = 1000,
+                           ) -> AsyncIterator[dict[str, Any]]:
+        """Stored events ``first_seq..last_seq`` in order, fetched in keyset pages (bounded memory)."""
+        cursor = first_seq
+        while cursor <= last_seq:
+            with _fail_closed("read"):
+                async with self.engine.connect() as conn:
+                    rows = (await conn.execute(select(audit_events).where(
+                        audit_events.c.seq >= cursor, audit_events.c.seq <= last_seq,
+                    ).order_by(audit_events.c.seq).limit(batch))).mappings().all()
+            if not rows:
+                return
+            for row in rows:
+                yield {**row, "data": orjson.loads(row["data"])}
+            cursor = rows[-1]["seq"] + 1
+
+
+async def _lock_head(conn: AsyncConnection) -> Head:
+    # The first statement is a write: PostgreSQL takes the row lock, SQLite takes its RESERVED (write)
+    # lock at once, as BEGIN IMMEDIATE would. Concurrent writers wait here, so ``seq`` never forks.
+    row = (await conn.execute(update(audit_head).where(audit_head.c.id == 1).values(
+        num_writes=audit_head.c.num_writes + 1).returning(
+        audit_head.c.seq, audit_head.c.link, audit_head.c.chain_hash))).first()
+    if row is None:
+        raise AuditUnavailable("audit_head row missing: run migrations (0002_audit) or AuditStore.start()")
+    return Head(row.seq, row.link, row.chain_hash)
+
+
+def _scrub_data(value: Any, sensitive: tuple[str, ...], key: str = "") -> Any:
+    if isinstance(value, str):
+        return value if key.endswith(("_hash", "_sha256")) else scrub_text(value, sensitive)
+    if isinstance(value, dict):
+        return {k: _scrub_data(v, sensitive, k) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_scrub_data(v, sensitive, key) for v in value]
+    return value
