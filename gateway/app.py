@@ -1,0 +1,86 @@
+"""The composition root: ``create_app(settings)`` builds the Litestar app, its DI and its lifespan."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from litestar import Litestar
+from litestar.config.app import AppConfig
+from litestar.datastructures import State
+from litestar.di import Provide
+from litestar.middleware import DefineMiddleware
+from litestar.openapi import OpenAPIConfig
+from litestar.plugins import InitPluginProtocol
+
+from gateway.audit_hook import AuditHook, AuditSink
+from gateway.auth import PUBLIC_PATHS, ApiKeyAuthMiddleware
+from gateway.controllers.admin import AdminController
+from gateway.controllers.health import healthz, metrics, readyz
+from gateway.controllers.openai import OpenAIController
+from gateway.deps import provide_principal, provide_runtime, provide_session
+from gateway.errors import exception_handlers
+from gateway.runtime import Runtime
+from gateway.settings import Settings, get_settings
+
+
+class GatewayPlugin(InitPluginProtocol):
+    """Wires routes, DI, auth, errors and the lifespan onto the app config in small steps."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        self.runtime = runtime
+
+    def on_app_init(self, app_config: AppConfig) -> AppConfig:
+        self._configure_routes(app_config)
+        self._configure_dependencies(app_config)
+        self._configure_security(app_config)
+        self._configure_lifespan(app_config)
+        app_config.exception_handlers.update(exception_handlers)
+        app_config.request_max_body_size = self.runtime.settings.max_body_bytes
+        app_config.openapi_config = OpenAPIConfig(title="kvgate", version="0.1.0", use_handler_docstrings=True)
+        return app_config
+
+    def _configure_routes(self, cfg: AppConfig) -> None:
+        cfg.route_handlers.extend([OpenAIController, AdminController, healthz, readyz, metrics])
+
+    def _configure_dependencies(self, cfg: AppConfig) -> None:
+        cfg.state = State({"runtime": self.runtime})
+        cfg.dependencies.update({
+            "runtime": Provide(provide_runtime, sync_to_thread=False),
+            "session": Provide(provide_session),
+            "principal": Provide(provide_principal, sync_to_thread=False),
+        })
+
+    def _configure_security(self, cfg: AppConfig) -> None:
+        cfg.middleware.append(DefineMiddleware(ApiKeyAuthMiddleware, exclude=[*PUBLIC_PATHS, "^/schema"]))
+
+    def _configure_lifespan(self, cfg: AppConfig) -> None:
+        runtime = self.runtime
+
+        @asynccontextmanager
+        async def lifespan(_: Litestar) -> AsyncIterator[None]:
+            runtime.start()
+            try:
+                yield
+            finally:
+                await runtime.stop()
+
+        cfg.lifespan.append(lifespan)
+
+
+def create_app(settings: Settings | None = None, *, engine: Any = None, audit_sink: AuditSink | None = None,
+               debug: bool = False) -> Litestar:
+    """Build the gateway app.
+
+    Args:
+        settings: Configuration; ``None`` reads ``get_settings()``.
+        engine: An already-started ``AsyncLLMEngine`` to share (tests); ``None`` loads one at start-up.
+        audit_sink: Where audit events go (the audit package's writer); ``None`` logs them.
+        debug: Litestar debug mode.
+
+    Returns:
+        The Litestar app; the database must already be migrated (``kvgate db upgrade``).
+    """
+    runtime = Runtime(settings or get_settings(), AuditHook(audit_sink), engine=engine)
+    return Litestar(plugins=[GatewayPlugin(runtime)], debug=debug)

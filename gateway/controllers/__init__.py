@@ -1,0 +1,1 @@
+"""HTTP controllers: thin handlers that call services."""

@@ -1,0 +1,40 @@
+"""Liveness, readiness and Prometheus metrics."""
+
+from __future__ import annotations
+
+from litestar import Response, get
+
+from gateway.guards import requires_admin
+from gateway.runtime import Runtime
+
+
+@get("/healthz", exclude_from_auth=True, sync_to_thread=False)
+def healthz() -> dict[str, str]:
+    """Liveness: the process answers.
+
+    Returns:
+        ``{"status": "ok"}``.
+    """
+    return {"status": "ok"}
+
+
+@get("/readyz", exclude_from_auth=True)
+async def readyz(runtime: Runtime) -> Response[dict]:
+    """Readiness: the model is loaded and the database answers.
+
+    Returns:
+        200 with both checks true, else 503.
+    """
+    checks = {"model": runtime.engine is not None, "database": await runtime.is_db_ready()}
+    return Response({"status": "ok" if all(checks.values()) else "unavailable", "checks": checks},
+                    status_code=200 if all(checks.values()) else 503)
+
+
+@get("/metrics", guards=[requires_admin], sync_to_thread=False)
+def metrics(runtime: Runtime) -> Response[bytes]:
+    """Prometheus exposition (admin token required).
+
+    Returns:
+        The text format, version 0.0.4.
+    """
+    return Response(runtime.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")

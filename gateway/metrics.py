@@ -1,0 +1,62 @@
+"""Prometheus metrics: request counters and latency histograms, plus engine gauges read at scrape time."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class _EngineCollector(Collector):
+    def __init__(self, get_engine: Callable[[], Any]) -> None:
+        self._get_engine = get_engine
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        engine = self._get_engine()
+        if engine is None:
+            return
+        s = engine.stats()
+        yield GaugeMetricFamily("kvgate_engine_running_requests", "Sequences running", value=s.num_running)
+        yield GaugeMetricFamily("kvgate_engine_waiting_requests", "Queue length", value=s.num_waiting)
+        total = max(s.num_kv_blocks_total, 1)
+        yield GaugeMetricFamily("kvgate_kv_cache_usage_ratio", "Fraction of KV blocks in use",
+                                value=s.num_kv_blocks_used / total)
+        queries = getattr(s, "prefix_cache_queries", 0)
+        hits = getattr(s, "prefix_cache_hits", 0)
+        yield GaugeMetricFamily("kvgate_prefix_cache_hit_ratio", "Prefix-cache hits / queries (tokens)",
+                                value=hits / queries if queries else 0.0)
+        yield GaugeMetricFamily("kvgate_engine_preemptions", "Preemptions so far",
+                                value=getattr(s, "num_preemptions", 0))
+
+
+class GatewayMetrics:
+    """One registry per app, so several apps (tests, two instances) never collide."""
+
+    def __init__(self, get_engine: Callable[[], Any]) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter("kvgate_requests", "Finished API requests", ["tenant", "endpoint", "status"],
+                                registry=self.registry)
+        self.tokens = Counter("kvgate_tokens", "Tokens served", ["tenant", "kind"], registry=self.registry)
+        self.ttft = Histogram("kvgate_time_to_first_token_seconds", "Time to first token",
+                              buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.itl = Histogram("kvgate_inter_token_latency_seconds", "Mean time per output token",
+                             buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.registry.register(_EngineCollector(get_engine))
+
+    def observe_finished(self, tenant: str, endpoint: str, status: str, num_prompt: int, num_completion: int,
+                         ttft: float | None, itl: float | None) -> None:
+        self.requests.labels(tenant, endpoint, status).inc()
+        self.tokens.labels(tenant, "prompt").inc(num_prompt)
+        self.tokens.labels(tenant, "completion").inc(num_completion)
+        if ttft is not None:
+            self.ttft.observe(ttft)
+        if itl is not None and num_completion > 1:
+            self.itl.observe(itl)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,118 @@
+"""Build OpenAI-format response bodies and SSE chunks from engine outputs."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Any
+
+import orjson
+
+# Engine "abort" only happens when we stop the request ourselves; clients only know these two.
+_FINISH = {"stop": "stop", "length": "length", "abort": "stop"}
+
+
+def finish_reason(reason: str | None) -> str | None:
+    return None if reason is None else _FINISH.get(reason, "stop")
+
+
+def sse(data: dict[str, Any]) -> bytes:
+    return b"data: " + orjson.dumps(data) + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def usage_dict(num_prompt: int, num_completion: int, num_cached: int) -> dict[str, Any]:
+    return {"prompt_tokens": num_prompt, "completion_tokens": num_completion,
+            "total_tokens": num_prompt + num_completion,
+            "prompt_tokens_details": {"cached_tokens": num_cached},
+            "completion_tokens_details": {"reasoning_tokens": 0}}
+
+
+class TokenText:
+    """Decodes single token ids for logprobs, cached per tokenizer."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._decode = lru_cache(maxsize=65536)(lambda i: tokenizer.decode([i]))
+
+    def __call__(self, token_id: int) -> str:
+        return self._decode(token_id)
+
+
+def chat_logprobs(entries: list[Any] | None, text_of: TokenText) -> dict[str, Any] | None:
+    if entries is None:
+        return None
+    content = []
+    for e in entries:
+        token = text_of(e.token_id)
+        top = [{"token": text_of(t), "logprob": lp, "bytes": list(text_of(t).encode())}
+               for t, lp in e.top.items()]
+        content.append({"token": token, "logprob": e.logprob, "bytes": list(token.encode()), "top_logprobs": top})
+    return {"content": content, "refusal": None}
+
+
+def text_logprobs(entries: list[Any] | None, text_of: TokenText, offset: int = 0) -> dict[str, Any] | None:
+    if entries is None:
+        return None
+    tokens, token_logprobs, tops, offsets = [], [], [], []
+    for e in entries:
+        token = text_of(e.token_id)
+        tokens.append(token)
+        token_logprobs.append(e.logprob)
+        tops.append({text_of(t): lp for t, lp in e.top.items()})
+        offsets.append(offset)
+        offset += len(token)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _base(kind: str, request_id: str, created: int, model: str, *, chunk: bool) -> dict[str, Any]:
+    if kind == "chat":
+        obj = "chat.completion.chunk" if chunk else "chat.completion"
+        return {"id": f"chatcmpl-{request_id}", "object": obj, "created": created, "model": model,
+                "system_fingerprint": None}
+    return {"id": f"cmpl-{request_id}", "object": "text_completion", "created": created, "model": model,
+            "system_fingerprint": None}
+
+
+def full_response(kind: str, request_id: str, created: int, model: str, outputs: list[Any],
+                  usage: dict[str, Any], text_of: TokenText) -> dict[str, Any]:
+    body = _base(kind, request_id, created, model, chunk=False)
+    choices = []
+    for o in outputs:
+        if kind == "chat":
+            choices.append({"index": o.index, "message": {"role": "assistant", "content": o.text, "refusal": None},
+                            "logprobs": chat_logprobs(o.logprobs, text_of),
+                            "finish_reason": finish_reason(o.finish_reason)})
+        else:
+            choices.append({"index": o.index, "text": o.text, "logprobs": text_logprobs(o.logprobs, text_of),
+                            "finish_reason": finish_reason(o.finish_reason)})
+    body["choices"] = choices
+    body["usage"] = usage
+    return body
+
+
+def chunk(kind: str, request_id: str, created: int, model: str, choices: list[dict[str, Any]],
+          include_usage: bool, usage: dict[str, Any] | None = None) -> dict[str, Any]:
+    body = _base(kind, request_id, created, model, chunk=True)
+    body["choices"] = choices
+    if include_usage:
+        body["usage"] = usage
+    return body
+
+
+def delta_choice(kind: str, output: Any, num_prev_tokens: int, text_of: TokenText,
+                 num_prev_chars: int) -> dict[str, Any]:
+    """One streamed choice: the new text (and its logprobs) since the previous chunk."""
+    new_entries = None if output.logprobs is None else output.logprobs[num_prev_tokens:]
+    reason = finish_reason(output.finish_reason)
+    if kind == "chat":
+        delta = {"content": output.new_text} if output.new_text or reason is None else {}
+        return {"index": output.index, "delta": delta, "logprobs": chat_logprobs(new_entries, text_of),
+                "finish_reason": reason}
+    return {"index": output.index, "text": output.new_text,
+            "logprobs": text_logprobs(new_entries, text_of, num_prev_chars), "finish_reason": reason}
+
+
+def role_choice(index: int) -> dict[str, Any]:
+    return {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+            "finish_reason": None}

@@ -1,0 +1,1 @@
+"""Pydantic request/response models at the HTTP edge (frozen, extra="forbid")."""

@@ -1,0 +1,1 @@
+"""Business logic over the repositories; controllers stay two or three lines."""

@@ -1,0 +1,164 @@
+"""Run admitted requests on the engine: whole responses or SSE streams, always settling usage once."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anyio
+import structlog
+from engine.errors import InvalidRequestError
+from litestar import Response
+from litestar.response import Stream
+
+from gateway import openai_format as fmt
+from gateway.errors import ClientError, InvalidRequest, ServiceUnavailable
+from gateway.runtime import Runtime
+from gateway.schemas.openai import ChatCompletionRequest, CompletionRequest
+from gateway.services.admission import Admission, admit
+from gateway.services.keys import Principal
+
+log = structlog.get_logger()
+
+
+class _Progress:
+    """What the engine has produced so far, so an abort still settles real usage."""
+
+    __slots__ = ("last", "num_tokens", "num_chars", "is_done")
+
+    def __init__(self) -> None:
+        self.last: Any = None
+        self.num_tokens: dict[int, int] = {}
+        self.num_chars: dict[int, int] = {}
+        self.is_done = False
+
+    def usage(self, adm: Admission) -> tuple[int, int, int]:
+        num_completion = 0 if self.last is None else sum(len(o.token_ids) for o in self.last.outputs)
+        num_cached = 0 if self.last is None else self.last.num_cached_tokens
+        return len(adm.prompt_token_ids), num_completion, num_cached
+
+
+async def _finish(rt: Runtime, adm: Admission, progress: _Progress) -> None:
+    """Settle, record metrics and audit. Shielded: it must complete even when the client went away."""
+    with anyio.CancelScope(shield=True):
+        if not progress.is_done:
+            rt.engine.abort(adm.request_id)
+        num_prompt, num_completion, num_cached = progress.usage(adm)
+        try:
+            await rt.quota.settle(adm.reservation, num_prompt, num_completion, num_cached)
+        except Exception as e:  # noqa: BLE001
+            log.error("quota.settle_failed", request_id=adm.request_id, error_type=type(e).__name__, exc_info=e)
+        last = progress.last
+        reasons = [] if last is None else [o.finish_reason for o in last.outputs]
+        m = None if last is None else last.metrics
+        rt.metrics.observe_finished(adm.principal.tenant_id or "", adm.kind, "ok" if progress.is_done else "aborted",
+                                    num_prompt, num_completion, getattr(m, "time_to_first_token", None),
+                                    getattr(m, "mean_time_per_output_token", None))
+        await rt.audit.emit("request.finished", request_id=adm.request_id, tenant_id=adm.principal.tenant_id,
+                            key_id=adm.principal.key_id, finish_reasons=reasons, num_prompt_tokens=num_prompt,
+                            num_completion_tokens=num_completion, num_cached_tokens=num_cached,
+                            is_aborted=not progress.is_done)
+
+
+def _start(rt: Runtime, adm: Admission) -> AsyncIterator[Any]:
+    return rt.engine.generate(adm.prompt_token_ids, adm.params, adm.request_id,
+                              cache_namespace=adm.cache_namespace, priority=adm.priority)
+
+
+async def _first(rt: Runtime, adm: Admission, progress: _Progress) -> tuple[AsyncIterator[Any], Any]:
+    """Start the request and wait for its first output, so engine-side validation errors are still 4xx."""
+    gen = _start(rt, adm)
+    try:
+        out = await anext(gen)
+    except StopAsyncIteration:
+        return gen, None
+    except InvalidRequestError as e:
+        raise InvalidRequest(str(e)) from None
+    except RuntimeError as e:
+        raise ServiceUnavailable(f"The engine is unavailable: {e}") from None
+    progress.last, progress.is_done = out, out.finished
+    return gen, out
+
+
+async def _run_whole(rt: Runtime, adm: Admission) -> dict[str, Any]:
+    progress = _Progress()
+    try:
+        gen, out = await _first(rt, adm, progress)
+        if out is not None and not out.finished:
+            async for out in gen:
+                progress.last, progress.is_done = out, out.finished
+    finally:
+        await _finish(rt, adm, progress)
+    last = progress.last
+    usage = fmt.usage_dict(*progress.usage(adm))
+    return fmt.full_response(adm.kind, adm.request_id, adm.created, adm.model, last.outputs, usage,
+                             rt.token_text)
+
+
+def _chunks(adm: Admission, out: Any, progress: _Progress, include_usage: bool,
+            text_of: fmt.TokenText) -> list[bytes]:
+    choices = []
+    for o in out.outputs:
+        if not o.new_token_ids and not o.new_text and o.finish_reason is None:
+            continue
+        prev = progress.num_tokens.get(o.index, 0)
+        choices.append(fmt.delta_choice(adm.kind, o, prev, text_of, progress.num_chars.get(o.index, 0)))
+        progress.num_tokens[o.index] = len(o.token_ids)
+        progress.num_chars[o.index] = len(o.text)
+    if not choices:
+        return []
+    return [fmt.sse(fmt.chunk(adm.kind, adm.request_id, adm.created, adm.model, choices, include_usage))]
+
+
+async def _stream(rt: Runtime, adm: Admission, gen: AsyncIterator[Any], first: Any, progress: _Progress,
+                  include_usage: bool) -> AsyncIterator[bytes]:
+    try:
+        if adm.kind == "chat":
+            roles = [fmt.role_choice(i) for i in range(adm.params.n)]
+            yield fmt.sse(fmt.chunk("chat", adm.request_id, adm.created, adm.model, roles, include_usage))
+        outs = [first] if first is not None else []
+        for out in outs:
+            for data in _chunks(adm, out, progress, include_usage, rt.token_text):
+                yield data
+        if first is not None and not first.finished:
+            async for out in gen:
+                progress.last, progress.is_done = out, out.finished
+                for data in _chunks(adm, out, progress, include_usage, rt.token_text):
+                    yield data
+        if include_usage:
+            usage = fmt.usage_dict(*progress.usage(adm))
+            yield fmt.sse(fmt.chunk(adm.kind, adm.request_id, adm.created, adm.model, [], True, usage))
+        yield fmt.SSE_DONE
+    except RuntimeError as e:  # the engine died mid-stream: tell the client in-band
+        yield fmt.sse({"error": {"message": f"The engine failed: {e}", "type": "server_error",
+                                 "param": None, "code": "engine_error"}})
+    finally:
+        await _finish(rt, adm, progress)
+
+
+async def _admit_audited(rt: Runtime, principal: Principal, req: ChatCompletionRequest | CompletionRequest,
+                         kind: str) -> Admission:
+    try:
+        return await admit(rt, principal, req, kind)
+    except ClientError as e:
+        await rt.audit.emit("request.rejected", tenant_id=principal.tenant_id, key_id=principal.key_id,
+                            code=e.code, status=e.status_code)
+        rt.metrics.requests.labels(principal.tenant_id or "", kind, str(e.status_code)).inc()
+        raise
+
+
+async def handle(rt: Runtime, principal: Principal, req: ChatCompletionRequest | CompletionRequest,
+                 kind: str) -> Response[Any] | Stream:
+    """Admit, run and answer one completion request (``kind`` is ``chat`` or ``text``)."""
+    adm = await _admit_audited(rt, principal, req, kind)
+    if not req.stream:
+        return Response(await _run_whole(rt, adm), headers=adm.headers)
+    progress = _Progress()
+    try:
+        gen, first = await _first(rt, adm, progress)
+    except BaseException:
+        await _finish(rt, adm, progress)
+        raise
+    headers = adm.headers | {"cache-control": "no-cache", "x-accel-buffering": "no"}
+    return Stream(_stream(rt, adm, gen, first, progress, req.include_usage), media_type="text/event-stream",
+                  headers=headers)

@@ -1,0 +1,130 @@
+"""Tenant API keys and admin tokens: issue, list, revoke, rotate, and authenticate."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from sqlalchemy import select
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from gateway.clock import as_utc, utcnow
+from gateway.errors import AuthError, NotFound
+from gateway.schemas.admin import KeyCreated, KeyOut
+from gateway.secrets import ADMIN_PREFIX, TENANT_PREFIX, Hasher, new_token, parse_token
+from gateway.services.tenants import get_tenant_row
+from gateway.storage.models import AdminToken, ApiKey, Tenant
+
+_DUMMY_HASH = "0" * 64
+
+
+@dataclass(frozen=True, slots=True)
+class Principal:
+    """Who is calling. ``kind`` is ``tenant`` (an API key) or ``admin`` (an admin token)."""
+
+    kind: str
+    key_id: str
+    tenant_id: str | None = None
+
+    @property
+    def is_admin(self) -> bool:
+        return self.kind == "admin"
+
+
+def key_to_schema(k: ApiKey) -> KeyOut:
+    return KeyOut(id=k.id, tenant_id=k.tenant_id, name=k.name, created_at=as_utc(k.created_at),
+                  expires_at=as_utc(k.expires_at), revoked_at=as_utc(k.revoked_at), rotated_to=k.rotated_to)
+
+
+async def create_key(session: AsyncSession, hasher: Hasher, tenant_id: str, name: str,
+                     expires_in_seconds: int | None) -> KeyCreated:
+    await get_tenant_row(session, tenant_id)
+    key_id, secret, token = new_token(TENANT_PREFIX)
+    now = utcnow()
+    expires = now + timedelta(seconds=expires_in_seconds) if expires_in_seconds else None
+    row = ApiKey(id=key_id, tenant_id=tenant_id, name=name, secret_hash=hasher.hash(key_id, secret),
+                 created_at=now, expires_at=expires)
+    session.add(row)
+    await session.commit()
+    return KeyCreated(key=token, info=key_to_schema(row))
+
+
+async def _get_key(session: AsyncSession, tenant_id: str, key_id: str) -> ApiKey:
+    row = await session.get(ApiKey, key_id)
+    if row is None or row.tenant_id != tenant_id:
+        raise NotFound("No such key.", code="key_not_found")
+    return row
+
+
+async def list_keys(session: AsyncSession, tenant_id: str) -> list[KeyOut]:
+    await get_tenant_row(session, tenant_id)
+    rows = await session.scalars(select(ApiKey).where(ApiKey.tenant_id == tenant_id)
+                                 .order_by(ApiKey.created_at, ApiKey.id))
+    return [key_to_schema(k) for k in rows]
+
+
+async def revoke_key(session: AsyncSession, tenant_id: str, key_id: str) -> KeyOut:
+    row = await _get_key(session, tenant_id, key_id)
+    if row.revoked_at is None:
+        row.revoked_at = utcnow()
+    await session.commit()
+    return key_to_schema(row)
+
+
+async def rotate_key(session: AsyncSession, hasher: Hasher, tenant_id: str, key_id: str,
+                     overlap_seconds: int) -> KeyCreated:
+    """Issue a successor key; the old one keeps working for ``overlap_seconds`` and then expires."""
+    old = await _get_key(session, tenant_id, key_id)
+    if old.revoked_at is not None:
+        raise NotFound("The key is revoked.", code="key_revoked")
+    created = await create_key(session, hasher, tenant_id, old.name, None)
+    cutoff = utcnow() + timedelta(seconds=overlap_seconds)
+    old_expiry = as_utc(old.expires_at)
+    old.expires_at = cutoff if old_expiry is None else min(old_expiry, cutoff)
+    old.rotated_to = created.info.id
+    await session.commit()
+    return created
+
+
+async def create_admin_token(session: AsyncSession, hasher: Hasher, name: str) -> str:
+    key_id, secret, token = new_token(ADMIN_PREFIX)
+    session.add(AdminToken(id=key_id, name=name, secret_hash=hasher.hash(key_id, secret), created_at=utcnow()))
+    await session.commit()
+    return token
+
+
+async def has_admin_tokens(session: AsyncSession) -> bool:
+    return (await session.scalar(select(AdminToken.id).limit(1))) is not None
+
+
+def _is_live(revoked_at: datetime | None, expires_at: datetime | None, now: datetime) -> bool:
+    expiry = as_utc(expires_at)
+    return revoked_at is None and (expiry is None or expiry > now)
+
+
+async def authenticate(session: AsyncSession, hasher: Hasher, token: str) -> Principal:
+    """Resolve a bearer token to a principal. Lookup is by key id with bound parameters only.
+
+    Raises:
+        AuthError: with ``code`` saying why (the message is the same for every failure).
+    """
+    parsed = parse_token(token)
+    if parsed is None:
+        raise AuthError("Incorrect API key provided.", code="malformed_api_key")
+    model = AdminToken if parsed.prefix == ADMIN_PREFIX else ApiKey
+    row = await session.get(model, parsed.key_id)
+    # Always compute one HMAC so unknown ids and wrong secrets take the same time.
+    is_match = hasher.verify(parsed.key_id, parsed.secret, row.secret_hash if row else _DUMMY_HASH)
+    if row is None or not is_match:
+        raise AuthError("Incorrect API key provided.", code="invalid_api_key")
+    now = utcnow()
+    if isinstance(row, AdminToken):
+        if not _is_live(row.revoked_at, None, now):
+            raise AuthError("Incorrect API key provided.", code="revoked_api_key")
+        return Principal(kind="admin", key_id=row.id)
+    if not _is_live(row.revoked_at, row.expires_at, now):
+        raise AuthError("Incorrect API key provided.", code="expired_or_revoked_api_key")
+    tenant = await session.get(Tenant, row.tenant_id)
+    if tenant is None or tenant.is_disabled:
+        raise AuthError("Incorrect API key provided.", code="tenant_disabled")
+    return Principal(kind="tenant", key_id=row.id, tenant_id=row.tenant_id)

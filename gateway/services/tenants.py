@@ -1,0 +1,106 @@
+"""Tenants and their versioned policies."""
+
+from __future__ import annotations
+
+import secrets
+
+from sqlalchemy import func, select
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from gateway.clock import as_utc, utcnow
+from gateway.errors import Conflict, NotFound
+from gateway.schemas.admin import PolicyOut, TenantOut
+from gateway.storage.models import PolicyVersion, Tenant
+from policies import Policy
+
+
+def tenant_to_schema(t: Tenant) -> TenantOut:
+    return TenantOut(id=t.id, name=t.name, is_disabled=t.is_disabled, created_at=as_utc(t.created_at))
+
+
+def policy_to_schema(p: PolicyVersion) -> PolicyOut:
+    return PolicyOut(tenant_id=p.tenant_id, version=p.version, policy=Policy.model_validate_json(p.body),
+                     changed_by=p.changed_by, comment=p.comment, created_at=as_utc(p.created_at))
+
+
+async def create_tenant(session: AsyncSession, name: str, policy: Policy, changed_by: str) -> TenantOut:
+    tenant = Tenant(id=secrets.token_hex(8), name=name, is_disabled=False, num_in_flight=0, created_at=utcnow())
+    session.add(tenant)
+    try:
+        await session.flush()
+    except IntegrityError as e:
+        await session.rollback()
+        raise Conflict(f"A tenant named {name!r} already exists.", code="tenant_exists") from e
+    session.add(PolicyVersion(tenant_id=tenant.id, version=1, body=policy.model_dump_json(),
+                              changed_by=changed_by, comment="initial", created_at=utcnow()))
+    await session.commit()
+    return tenant_to_schema(tenant)
+
+
+async def get_tenant_row(session: AsyncSession, tenant_id: str) -> Tenant:
+    tenant = await session.get(Tenant, tenant_id)
+    if tenant is None:
+        raise NotFound("No such tenant.", code="tenant_not_found")
+    return tenant
+
+
+async def get_tenant(session: AsyncSession, tenant_id: str) -> TenantOut:
+    return tenant_to_schema(await get_tenant_row(session, tenant_id))
+
+
+async def list_tenants(session: AsyncSession) -> list[TenantOut]:
+    rows = await session.scalars(select(Tenant).order_by(Tenant.created_at, Tenant.id))
+    return [tenant_to_schema(t) for t in rows]
+
+
+async def set_disabled(session: AsyncSession, tenant_id: str, is_disabled: bool) -> TenantOut:
+    tenant = await get_tenant_row(session, tenant_id)
+    tenant.is_disabled = is_disabled
+    await session.commit()
+    return tenant_to_schema(tenant)
+
+
+async def _current_row(session: AsyncSession, tenant_id: str) -> PolicyVersion | None:
+    stmt = (select(PolicyVersion).where(PolicyVersion.tenant_id == tenant_id)
+            .order_by(PolicyVersion.version.desc()).limit(1))
+    return (await session.scalars(stmt)).first()
+
+
+async def get_policy(session: AsyncSession, tenant_id: str) -> PolicyOut:
+    await get_tenant_row(session, tenant_id)
+    row = await _current_row(session, tenant_id)
+    if row is None:
+        raise NotFound("This tenant has no policy.", code="policy_not_found")
+    return policy_to_schema(row)
+
+
+async def current_policy(session: AsyncSession, tenant_id: str, default: Policy) -> Policy:
+    row = await _current_row(session, tenant_id)
+    return default if row is None else Policy.model_validate_json(row.body)
+
+
+async def policy_history(session: AsyncSession, tenant_id: str) -> list[PolicyOut]:
+    await get_tenant_row(session, tenant_id)
+    rows = await session.scalars(select(PolicyVersion).where(PolicyVersion.tenant_id == tenant_id)
+                                 .order_by(PolicyVersion.version))
+    return [policy_to_schema(r) for r in rows]
+
+
+async def put_policy(session: AsyncSession, tenant_id: str, policy: Policy, changed_by: str, comment: str,
+                     expected_version: int | None = None) -> PolicyOut:
+    """Append a new policy version; the (tenant, version) unique constraint makes racing writers conflict."""
+    await get_tenant_row(session, tenant_id)
+    latest = await session.scalar(select(func.max(PolicyVersion.version))
+                                  .where(PolicyVersion.tenant_id == tenant_id)) or 0
+    if expected_version is not None and expected_version != latest:
+        raise Conflict(f"Policy is at version {latest}, not {expected_version}.", code="version_conflict")
+    row = PolicyVersion(tenant_id=tenant_id, version=latest + 1, body=policy.model_dump_json(),
+                        changed_by=changed_by, comment=comment, created_at=utcnow())
+    session.add(row)
+    try:
+        await session.commit()
+    except IntegrityError as e:
+        await session.rollback()
+        raise Conflict("The policy was changed concurrently; retry.", code="version_conflict") from e
+    return policy_to_schema(row)

@@ -1,0 +1,75 @@
+"""Gateway settings: ``KVGATE_*`` environment variables and CLI flags, read once via ``get_settings()``."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from gateway.storage.db import default_db_url, normalize_db_url
+from policies import Policy
+
+if TYPE_CHECKING:
+    from engine import EngineConfig
+
+
+class Settings(BaseSettings):
+    """All gateway configuration.
+
+    Attributes:
+        data_dir: Holds the SQLite database, the key pepper and the generated TLS material.
+        db_url: SQLAlchemy URL; ``None`` means SQLite in ``data_dir``.
+        host: Bind address.
+        port: Bind port.
+        insecure_http: Serve plain HTTP (for a TLS-terminating proxy only).
+        tls_cert: Server certificate (PEM); generated with a private CA when absent.
+        tls_key: Server private key (PEM).
+        model: Model directory / GGUF file; ``None`` for the default model.
+        dtype: Engine compute dtype.
+        device: ``cpu`` or ``cuda``.
+        num_kv_blocks: Exact KV pool size in blocks (``None``: by memory fraction).
+        max_num_seqs: Engine batch limit.
+        max_model_len: Context limit override.
+        max_body_bytes: Largest accepted request body.
+        default_policy: Policy given to new tenants (JSON in ``KVGATE_DEFAULT_POLICY``).
+        log_json: Emit JSON logs.
+    """
+
+    model_config = SettingsConfigDict(env_prefix="KVGATE_", extra="ignore")
+
+    data_dir: Path = Field(default_factory=lambda: Path.home() / ".local" / "share" / "kvgate")
+    db_url: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8443
+    insecure_http: bool = False
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    model: str | None = None
+    dtype: str = "float32"
+    device: str = "cpu"
+    num_kv_blocks: int | None = None
+    max_num_seqs: int = 16
+    max_model_len: int | None = None
+    max_body_bytes: int = 1_048_576
+    default_policy: Policy = Field(default_factory=Policy)
+    log_json: bool = True
+
+    @property
+    def database_url(self) -> str:
+        return normalize_db_url(self.db_url) if self.db_url else default_db_url(self.data_dir)
+
+    def engine_config(self) -> EngineConfig:
+        from engine import EngineConfig
+
+        return EngineConfig(model=self.model, dtype=self.dtype, device=self.device,
+                            num_kv_blocks=self.num_kv_blocks, max_num_seqs=self.max_num_seqs,
+                            max_model_len=self.max_model_len, scheduling_policy="priority")
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    """The process-wide settings, read once at the composition root."""
+    return Settings()

@@ -1,0 +1,1 @@
+"""Persistence: ORM models, the async engine/sessionmaker, repositories and migrations."""

@@ -1,0 +1,47 @@
+"""Async SQLAlchemy engine and sessionmaker for SQLite (default) or PostgreSQL."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from sqlalchemy import event
+from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker, create_async_engine
+
+
+def default_db_url(data_dir: Path) -> str:
+    return f"sqlite+aiosqlite:///{data_dir / 'kvgate.db'}"
+
+
+def normalize_db_url(url: str) -> str:
+    """Accept plain ``postgresql://``/``sqlite://`` URLs and pick the async driver."""
+    if url.startswith(("postgresql://", "postgres://")):
+        return "postgresql+asyncpg://" + url.split("://", 1)[1]
+    if url.startswith("sqlite://"):
+        return "sqlite+aiosqlite://" + url.split("://", 1)[1]
+    return url
+
+
+def is_sqlite(url: str) -> bool:
+    return url.startswith("sqlite")
+
+
+def _sqlite_pragmas(dbapi_conn, _record) -> None:  # type: ignore[no-untyped-def]
+    cur = dbapi_conn.cursor()
+    # WAL lets readers proceed during writes; busy_timeout makes concurrent writers wait, not fail.
+    cur.execute("PRAGMA journal_mode=WAL")
+    cur.execute("PRAGMA busy_timeout=10000")
+    cur.execute("PRAGMA foreign_keys=ON")
+    cur.close()
+
+
+def make_db_engine(url: str) -> AsyncEngine:
+    url = normalize_db_url(url)
+    if is_sqlite(url):
+        engine = create_async_engine(url, pool_size=5, max_overflow=10)
+        event.listen(engine.sync_engine, "connect", _sqlite_pragmas)
+        return engine
+    return create_async_engine(url, pool_size=10, max_overflow=20, pool_pre_ping=True)
+
+
+def make_sessionmaker(engine: AsyncEngine) -> async_sessionmaker:
+    return async_sessionmaker(engine, expire_on_commit=False)

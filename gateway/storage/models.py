@@ -1,0 +1,75 @@
+"""ORM models (SQLAlchemy 2.0). The Alembic migrations in ``migrations/`` mirror these tables."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from sqlalchemy import BigInteger, Boolean, DateTime, ForeignKey, Integer, String, Text, UniqueConstraint
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class Tenant(Base):
+    __tablename__ = "tenants"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    name: Mapped[str] = mapped_column(String(128), unique=True)
+    is_disabled: Mapped[bool] = mapped_column(Boolean, default=False)
+    # Requests in flight right now; moved only by conditional UPDATEs (see gateway.quota).
+    num_in_flight: Mapped[int] = mapped_column(Integer, default=0)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
+class ApiKey(Base):
+    __tablename__ = "api_keys"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
+    name: Mapped[str] = mapped_column(String(128), default="")
+    # HMAC-SHA256(pepper, secret), hex; the raw key is never stored.
+    secret_hash: Mapped[str] = mapped_column(String(64))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    rotated_to: Mapped[str | None] = mapped_column(String(32), nullable=True)
+
+
+class PolicyVersion(Base):
+    __tablename__ = "policies"
+    __table_args__ = (UniqueConstraint("tenant_id", "version"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
+    version: Mapped[int] = mapped_column(Integer)
+    body: Mapped[str] = mapped_column(Text)  # Policy JSON
+    changed_by: Mapped[str] = mapped_column(String(64))
+    comment: Mapped[str] = mapped_column(String(512), default="")
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
+class UsageCounter(Base):
+    """Per tenant, per fixed window. ``num_tokens`` counts settled usage plus open reservations."""
+
+    __tablename__ = "usage_counters"
+
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), primary_key=True)
+    window: Mapped[str] = mapped_column(String(8), primary_key=True)  # minute | day | month
+    window_start: Mapped[int] = mapped_column(BigInteger, primary_key=True)  # epoch seconds, UTC
+    num_requests: Mapped[int] = mapped_column(BigInteger, default=0)
+    num_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    num_prompt_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    num_completion_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    num_cached_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+
+
+class AdminToken(Base):
+    __tablename__ = "admin_tokens"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    name: Mapped[str] = mapped_column(String(128), default="")
+    secret_hash: Mapped[str] = mapped_column(String(64))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)

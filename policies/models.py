@@ -1,0 +1,60 @@
+"""Pydantic tenant policy types (validated at the admin edge, stored as JSON)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
+
+Determinism = Literal["fast", "fixed", "batch_invariant"]
+CacheScope = Literal["tenant", "key", "request"]
+ALL_DETERMINISM: tuple[Determinism, ...] = ("fast", "fixed", "batch_invariant")
+
+
+class Policy(BaseModel):
+    """What one tenant may do. ``None`` on a limit means "no limit".
+
+    Attributes:
+        allowed_models: Model ids the tenant may call; ``None`` allows every served model.
+        max_prompt_tokens: Largest prompt, in tokens after the chat template.
+        max_output_tokens: Largest ``max_tokens``; also the default when a request names none.
+        max_context_tokens: Largest prompt + ``max_tokens`` (never above the model's context).
+        requests_per_minute: Requests admitted per fixed one-minute window.
+        tokens_per_minute: Prompt + completion tokens per one-minute window (reserved at admission).
+        max_concurrent_requests: Requests in flight at once.
+        daily_token_quota: Prompt + completion tokens per UTC day.
+        monthly_token_quota: Prompt + completion tokens per UTC calendar month.
+        priority: Engine priority; lower runs first.
+        prefix_cache_scope: Who may share prefix-cache blocks: the whole tenant, one key, or nobody.
+        default_determinism: Mode used when a request names none.
+        allowed_determinism: Modes a request may ask for.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    allowed_models: tuple[str, ...] | None = None
+    max_prompt_tokens: PositiveInt | None = None
+    max_output_tokens: PositiveInt | None = None
+    max_context_tokens: PositiveInt | None = None
+    requests_per_minute: PositiveInt | None = None
+    tokens_per_minute: PositiveInt | None = None
+    max_concurrent_requests: PositiveInt | None = None
+    daily_token_quota: PositiveInt | None = None
+    monthly_token_quota: PositiveInt | None = None
+    priority: int = Field(default=0, ge=-1000, le=1000)
+    prefix_cache_scope: CacheScope = "tenant"
+    default_determinism: Determinism = "fast"
+    allowed_determinism: tuple[Determinism, ...] = ALL_DETERMINISM
+
+    @model_validator(mode="after")
+    def _check_consistent(self) -> Policy:
+        if not self.allowed_determinism:
+            raise ValueError("allowed_determinism must not be empty")
+        if self.default_determinism not in self.allowed_determinism:
+            raise ValueError("default_determinism must be one of allowed_determinism")
+        if self.max_context_tokens is not None:
+            for name in ("max_prompt_tokens", "max_output_tokens"):
+                value = getattr(self, name)
+                if value is not None and value > self.max_context_tokens:
+                    raise ValueError(f"{name} must not exceed max_context_tokens")
+        return self

@@ -1,0 +1,184 @@
+"""Gateway fixtures: one tiny real engine per session, a migrated database per test (SQLite or PostgreSQL)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import threading
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from litestar.testing import AsyncTestClient
+
+from gateway.app import create_app
+from gateway.services import keys, tenants
+from gateway.settings import Settings
+from gateway.storage import migrate
+from policies import Policy
+
+PG_HOST = os.environ.get("KVGATE_TEST_PG_HOST", "127.0.0.1")
+PG_PORT = int(os.environ.get("KVGATE_TEST_PG_PORT", "5432"))
+PG_USERS = ("postgres", "root")
+
+
+def run_sync(coro_fn: Callable[[], object]) -> object:
+    """Run a coroutine to completion on a private loop in a thread (safe from inside pytest-asyncio)."""
+    box: dict[str, object] = {}
+
+    def target() -> None:
+        try:
+            box["value"] = asyncio.run(coro_fn())
+        except BaseException as e:  # noqa: BLE001
+            box["error"] = e
+
+    t = threading.Thread(target=target)
+    t.start()
+    t.join()
+    if "error" in box:
+        raise box["error"]  # type: ignore[misc]
+    return box.get("value")
+
+
+def _pg_user() -> str | None:
+    import asyncpg
+
+    async def probe() -> str | None:
+        for user in PG_USERS:
+            try:
+                conn = await asyncpg.connect(host=PG_HOST, port=PG_PORT, user=user, database="postgres",
+                                             timeout=3)
+            except Exception:  # noqa: BLE001
+                continue
+            await conn.close()
+            return user
+        return None
+
+    return run_sync(probe)  # type: ignore[return-value]
+
+
+@pytest.fixture(scope="session")
+def pg_user() -> str | None:
+    user = _pg_user()
+    if user is None and os.environ.get("CI"):
+        pytest.fail(f"CI is set but no PostgreSQL server answers at {PG_HOST}:{PG_PORT}")
+    return user
+
+
+def _create_pg_database(user: str) -> str:
+    import asyncpg
+
+    name = f"kvgate_test_{secrets.token_hex(6)}"
+
+    async def create() -> None:
+        conn = await asyncpg.connect(host=PG_HOST, port=PG_PORT, user=user, database="postgres")
+        await conn.execute(f'CREATE DATABASE "{name}"')
+        await conn.close()
+
+    run_sync(create)
+    return name
+
+
+def _drop_pg_database(user: str, name: str) -> None:
+    import asyncpg
+
+    async def drop() -> None:
+        conn = await asyncpg.connect(host=PG_HOST, port=PG_PORT, user=user, database="postgres")
+        await conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        await conn.close()
+
+    run_sync(drop)
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
+def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> object:
+    """A fresh, migrated database: SQLite in tmp_path, or a throwaway PostgreSQL database."""
+    if request.param == "sqlite":
+        url = f"sqlite+aiosqlite:///{tmp_path / 'kvgate.db'}"
+        run_sync(lambda: migrate.upgrade(url))
+        yield url
+        return
+    user = request.getfixturevalue("pg_user")
+    if user is None:
+        pytest.skip(f"no PostgreSQL server answers at {PG_HOST}:{PG_PORT} (set CI=1 to make this a failure)")
+    name = _create_pg_database(user)
+    url = f"postgresql+asyncpg://{user}@{PG_HOST}:{PG_PORT}/{name}"
+    try:
+        run_sync(lambda: migrate.upgrade(url))
+        yield url
+    finally:
+        _drop_pg_database(user, name)
+
+
+@pytest.fixture
+def sqlite_url(tmp_path: Path) -> str:
+    url = f"sqlite+aiosqlite:///{tmp_path / 'kvgate.db'}"
+    run_sync(lambda: migrate.upgrade(url))
+    return url
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from engine.testing import make_tiny_model_dir
+
+    return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-model"))
+
+
+@pytest.fixture(scope="session")
+def llm(tiny_model_dir: Path):  # type: ignore[no-untyped-def]
+    from engine import AsyncLLMEngine, EngineConfig
+
+    engine = AsyncLLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=256,
+                                         max_num_seqs=16, scheduling_policy="priority"))
+    engine.start()
+    yield engine
+    engine.shutdown()
+
+
+@dataclass
+class Gateway:
+    """A running app plus handles tests need: its client, runtime and an admin token."""
+
+    client: AsyncTestClient
+    admin_token: str
+    settings: Settings
+
+    @property
+    def runtime(self):  # type: ignore[no-untyped-def]
+        return self.client.app.state.runtime
+
+    def admin(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.admin_token}"}
+
+    async def make_tenant(self, name: str | None = None, policy: Policy | None = None) -> tuple[str, str]:
+        """Create a tenant (+ policy) and one key directly through the services; returns (tenant_id, key)."""
+        rt = self.runtime
+        async with rt.sessionmaker() as s:
+            t = await tenants.create_tenant(s, name or f"t-{secrets.token_hex(4)}", policy or Policy(), "test")
+        async with rt.sessionmaker() as s:
+            created = await keys.create_key(s, rt.hasher, t.id, "k", None)
+        return t.id, created.key
+
+
+def make_settings(tmp_path: Path, db_url: str, **overrides: object) -> Settings:
+    return Settings(data_dir=tmp_path, db_url=db_url, insecure_http=True, **overrides)
+
+
+
+
+async def open_gateway(tmp_path: Path, db_url: str, llm: object, **overrides: object) -> AsyncIterator[Gateway]:
+    settings = make_settings(tmp_path, db_url, **overrides)
+    app = create_app(settings, engine=llm)
+    async with AsyncTestClient(app, timeout=60) as client:
+        rt = app.state.runtime
+        async with rt.sessionmaker() as s:
+            token = await keys.create_admin_token(s, rt.hasher, "test")
+        yield Gateway(client, token, settings)
+
+
+@pytest.fixture
+async def gw(tmp_path: Path, sqlite_url: str, llm: object) -> AsyncIterator[Gateway]:
+    async for g in open_gateway(tmp_path, sqlite_url, llm):
+        yield g
