@@ -1,0 +1,76 @@
+"""AsyncLLMEngine: streaming deltas, concurrent requests, cancellation frees blocks."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from engine import AsyncLLMEngine, InvalidRequestError, SamplingParams
+
+
+@pytest.fixture
+def async_engine(tiny_engine_factory):
+    eng = AsyncLLMEngine(engine=tiny_engine_factory(num_kv_blocks=64))
+    eng.start()
+    yield eng
+    eng.shutdown()
+
+
+async def test_stream_deltas_add_up_to_final_text(async_engine):
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    text, ids, last = "", [], None
+    async for out in async_engine.generate("Hello there, friend", params, "s1"):
+        text += out.outputs[0].new_text
+        ids += out.outputs[0].new_token_ids
+        last = out
+    assert last.finished and last.finish_reason == "length"
+    assert text == last.text and ids == last.token_ids and len(ids) == 16
+    assert "\ufffd" not in text
+
+
+async def test_concurrent_requests(async_engine):
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+    async def run(i):
+        final = None
+        async for out in async_engine.generate([100 + i, 200 + i, 300], params, f"c{i}"):
+            final = out
+        return final
+
+    results = await asyncio.gather(*(run(i) for i in range(6)))
+    assert all(r.finished and len(r.token_ids) == 8 for r in results)
+
+
+async def test_cancelling_consumer_aborts_and_frees_blocks(async_engine):
+    params = SamplingParams(temperature=0, max_tokens=500, ignore_eos=True)
+
+    async def consume():
+        async for _ in async_engine.generate([5] * 40, params, "cancel-me"):
+            pass
+
+    task = asyncio.create_task(consume())
+    for _ in range(200):
+        await asyncio.sleep(0.01)
+        if async_engine.stats().num_kv_blocks_used > 0:
+            break
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    for _ in range(200):
+        await asyncio.sleep(0.01)
+        s = async_engine.stats()
+        if s.num_running == 0 and s.num_waiting == 0:
+            break
+    assert async_engine.engine.kv.pool.num_used_blocks == 0
+    assert "cancel-me" not in async_engine.engine.requests
+
+
+async def test_invalid_request_raises_before_streaming(async_engine):
+    with pytest.raises(InvalidRequestError):
+        async for _ in async_engine.generate("", SamplingParams(max_tokens=2)):
+            pass
+    final = None
+    async for out in async_engine.generate("still serving", SamplingParams(temperature=0, max_tokens=2)):
+        final = out
+    assert final.finished

@@ -1,0 +1,102 @@
+"""Request validation, sampling semantics, stop conditions, n > 1 and logprobs on a tiny model."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from engine import InvalidRequestError, InvalidSamplingParamsError, PromptTooLongError, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_engine_factory):
+    return tiny_engine_factory(num_kv_blocks=64, max_model_len=256)
+
+
+@pytest.mark.parametrize("kwargs", [dict(max_tokens=0), dict(max_tokens=-3), dict(temperature=math.nan),
+                                    dict(temperature=-1.0), dict(top_p=0.0), dict(top_p=float("inf")),
+                                    dict(stop=3), dict(stop=[b"x"]), dict(stop=[""]), dict(n=0),
+                                    dict(logprobs=-1), dict(max_tokens=True), dict(seed="7")])
+def test_bad_sampling_params_raise_value_errors(kwargs):
+    with pytest.raises(InvalidSamplingParamsError) as exc:
+        SamplingParams(**kwargs)
+    assert isinstance(exc.value, ValueError)
+
+
+def test_bad_prompts_raise_and_engine_keeps_serving(engine):
+    greedy = SamplingParams(temperature=0, max_tokens=4)
+    with pytest.raises(InvalidRequestError):
+        engine.add_request("", greedy)
+    with pytest.raises(InvalidRequestError):
+        engine.add_request([], greedy)
+    with pytest.raises(InvalidRequestError):
+        engine.add_request([1, -5], greedy)
+    with pytest.raises(InvalidRequestError):
+        engine.add_request([10**9], greedy)
+    with pytest.raises(PromptTooLongError):
+        engine.add_request([5] * 300, greedy)  # longer than max_model_len=256
+    engine.add_request([5, 6], greedy, "dup")
+    with pytest.raises(InvalidRequestError):
+        engine.add_request([5, 6], greedy, "dup")
+    engine.abort("dup")
+    [out] = engine.generate([[5, 6, 7]], greedy)
+    assert out.finish_reason == "length" and len(out.token_ids) == 4
+    assert engine.kv.pool.num_used_blocks == 0
+
+
+def test_pool_too_small_for_request_is_rejected(tiny_engine_factory):
+    small = tiny_engine_factory(num_kv_blocks=4)  # 64 tokens in all
+    with pytest.raises(PromptTooLongError, match="KV blocks"):
+        small.add_request([5] * 40, SamplingParams(max_tokens=40))
+
+
+def test_seeded_sampling_is_reproducible_and_independent_of_neighbours(engine):
+    p = SamplingParams(temperature=1.0, max_tokens=12, seed=1234, ignore_eos=True)
+    alone = engine.generate([[11, 12, 13]], p)[0].token_ids
+    crowd = engine.generate([[11, 12, 13], [40, 41], [7] * 30],
+                            [p, SamplingParams(temperature=0.7, max_tokens=20, ignore_eos=True), p])
+    assert crowd[0].token_ids == alone
+    other = engine.generate([[11, 12, 13]], SamplingParams(temperature=1.0, max_tokens=12, seed=99,
+                                                           ignore_eos=True))[0]
+    assert other.token_ids != alone
+
+
+def test_top_k_one_is_greedy(engine):
+    greedy = engine.generate([[20, 21, 22]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
+    topk = engine.generate([[20, 21, 22]], SamplingParams(temperature=1.5, top_k=1, max_tokens=8,
+                                                          ignore_eos=True))[0]
+    assert greedy.token_ids == topk.token_ids
+
+
+def test_stop_token_ids_and_strings(engine):
+    base = engine.generate([[30, 31]], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]
+    stop_tok = base.token_ids[3]
+    out = engine.generate([[30, 31]], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                                                     stop_token_ids=[stop_tok]))[0]
+    assert out.finish_reason == "stop" and out.token_ids[-1] == stop_tok
+    assert len(out.token_ids) == base.token_ids.index(stop_tok) + 1
+    text = base.text
+    needle = text[len(text) // 2:len(text) // 2 + 3]
+    if needle.strip():
+        out = engine.generate([[30, 31]], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                                                         stop=[needle]))[0]
+        assert out.finish_reason == "stop" and needle not in out.text and text.startswith(out.text)
+
+
+def test_n_samples_and_logprobs(engine):
+    out = engine.generate([[50, 51, 52] * 10], SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=6,
+                                                              ignore_eos=True, logprobs=3))[0]
+    assert len(out.outputs) == 3 and {o.index for o in out.outputs} == {0, 1, 2}
+    assert all(len(o.token_ids) == 6 and len(o.logprobs) == 6 for o in out.outputs)
+    for lp in out.outputs[0].logprobs:
+        assert len(lp.top) == 3 and lp.logprob <= 0.0
+        assert lp.logprob <= max(lp.top.values()) + 1e-6
+
+
+def test_timing_metrics(engine):
+    out = engine.generate([[60, 61, 62]], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))[0]
+    m = out.metrics
+    assert m.queue_time is not None and m.queue_time >= 0
+    assert m.time_to_first_token >= m.queue_time
+    assert m.mean_time_per_output_token is not None and m.mean_time_per_output_token >= 0
