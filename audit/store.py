@@ -25,6 +25,7 @@ from audit.patterns import scrub_text
 from audit.tables import audit_checkpoints, audit_events, audit_head, metadata
 
 DEFAULT_CHECKPOINT_EVERY = 1000
+_RECORD_COLUMNS = (*chain.CANONICAL_FIELDS, "link", "chain_hash")
 
 
 class AuditUnavailable(RuntimeError):
@@ -242,7 +243,7 @@ class AuditStore:
             if not rows:
                 return
             for row in rows:
-                yield {**row, "data": orjson.loads(row["data"])}
+                yield {**{c: row[c] for c in _RECORD_COLUMNS}, "data": orjson.loads(row["data"])}
             cursor = rows[-1]["seq"] + 1
 
 
