@@ -1,0 +1,131 @@
+"""``kvgate admin``: bootstrap the first admin token and manage tenants, keys and policies offline."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from gateway.cli import app
+from gateway.cli.common import DataDirOpt, DbUrlOpt, build_settings, run
+from gateway.secrets import Hasher, load_or_create_pepper
+from gateway.services import keys, tenants, usage
+from gateway.storage.db import make_db_engine, make_sessionmaker
+from policies import Policy
+
+admin_app = typer.Typer(help="Administer tenants, keys and policies directly in the database.",
+                        no_args_is_help=True)
+app.add_typer(admin_app, name="admin")
+
+
+def _with_session(data_dir: Path | None, db_url: str | None, fn):  # type: ignore[no-untyped-def]
+    settings = build_settings(data_dir=data_dir, db_url=db_url)
+    hasher = Hasher(load_or_create_pepper(settings.data_dir))
+
+    async def go():  # type: ignore[no-untyped-def]
+        engine = make_db_engine(settings.database_url)
+        try:
+            async with make_sessionmaker(engine)() as session:
+                return await fn(session, hasher, settings)
+        finally:
+            await engine.dispose()
+
+    return run(go)
+
+
+def _print(obj) -> None:  # type: ignore[no-untyped-def]
+    if isinstance(obj, list):
+        typer.echo(json.dumps([o.model_dump(mode="json") for o in obj], indent=2))
+    else:
+        typer.echo(json.dumps(obj.model_dump(mode="json"), indent=2))
+
+
+@admin_app.command("bootstrap")
+def bootstrap(data_dir: DataDirOpt = None, db_url: DbUrlOpt = None,
+              force: Annotated[bool, typer.Option(help="Issue another token even if one exists.")] = False) -> None:
+    """Create the first admin token and print it once (refuses if one exists, unless --force)."""
+    async def go(session, hasher, _settings):  # type: ignore[no-untyped-def]
+        if not force and await keys.has_admin_tokens(session):
+            return None
+        return await keys.create_admin_token(session, hasher, "bootstrap")
+
+    token = _with_session(data_dir, db_url, go)
+    if token is None:
+        typer.echo("an admin token already exists; use --force to issue another", err=True)
+        raise typer.Exit(1)
+    typer.echo(token)
+
+
+@admin_app.command("create-tenant")
+def create_tenant(name: str, data_dir: DataDirOpt = None, db_url: DbUrlOpt = None) -> None:
+    """Create a tenant with the default policy."""
+    _print(_with_session(data_dir, db_url, lambda s, h, st: tenants.create_tenant(s, name, st.default_policy,
+                                                                                   "cli")))
+
+
+@admin_app.command("list-tenants")
+def list_tenants(data_dir: DataDirOpt = None, db_url: DbUrlOpt = None) -> None:
+    """List tenants."""
+    _print(_with_session(data_dir, db_url, lambda s, h, st: tenants.list_tenants(s)))
+
+
+@admin_app.command("disable-tenant")
+def disable_tenant(tenant_id: str, data_dir: DataDirOpt = None, db_url: DbUrlOpt = None) -> None:
+    """Disable a tenant (its keys stop working)."""
+    _print(_with_session(data_dir, db_url, lambda s, h, st: tenants.set_disabled(s, tenant_id, True)))
+
+
+@admin_app.command("create-key")
+def create_key(tenant_id: str, name: str = "", expires_in_seconds: int | None = None,
+               data_dir: DataDirOpt = None, db_url: DbUrlOpt = None) -> None:
+    """Issue an API key for a tenant; the key is printed once."""
+    _print(_with_session(data_dir, db_url,
+                         lambda s, h, st: keys.create_key(s, h, tenant_id, name, expires_in_seconds)))
+
+
+@admin_app.command("list-keys")
+def list_keys(tenant_id: str, data_dir: DataDirOpt = None, db_url: DbUrlOpt = None) -> None:
+    """List a tenant's keys."""
+    _print(_with_session(data_dir, db_url, lambda s, h, st: keys.list_keys(s, tenant_id)))
+
+
+@admin_app.command("revoke-key")
+def revoke_key(tenant_id: str, key_id: str, data_dir: DataDirOpt = None, db_url: DbUrlOpt = None) -> None:
+    """Revoke a key."""
+    _print(_with_session(data_dir, db_url, lambda s, h, st: keys.revoke_key(s, tenant_id, key_id)))
+
+
+@admin_app.command("rotate-key")
+def rotate_key(tenant_id: str, key_id: str, overlap_seconds: int = 3600, data_dir: DataDirOpt = None,
+               db_url: DbUrlOpt = None) -> None:
+    """Issue a successor key; the old one works for --overlap-seconds more."""
+    _print(_with_session(data_dir, db_url,
+                         lambda s, h, st: keys.rotate_key(s, h, tenant_id, key_id, overlap_seconds)))
+
+
+@admin_app.command("get-policy")
+def get_policy(tenant_id: str, data_dir: DataDirOpt = None, db_url: DbUrlOpt = None) -> None:
+    """Show a tenant's current policy."""
+    _print(_with_session(data_dir, db_url, lambda s, h, st: tenants.get_policy(s, tenant_id)))
+
+
+@admin_app.command("set-policy")
+def set_policy(tenant_id: str, policy_file: Path, comment: str = "", data_dir: DataDirOpt = None,
+               db_url: DbUrlOpt = None) -> None:
+    """Validate POLICY_FILE (JSON) and store it as the tenant's next policy version."""
+    policy = Policy.model_validate_json(policy_file.read_text())
+    _print(_with_session(data_dir, db_url,
+                         lambda s, h, st: tenants.put_policy(s, tenant_id, policy, "cli", comment)))
+
+
+@admin_app.command("usage")
+def usage_cmd(tenant_id: str, window: str = "day", csv: bool = False, data_dir: DataDirOpt = None,
+              db_url: DbUrlOpt = None) -> None:
+    """Print a tenant's usage per window (JSON, or CSV with --csv)."""
+    rows = _with_session(data_dir, db_url, lambda s, h, st: usage.usage_report(s, tenant_id, window, None, None))
+    if csv:
+        typer.echo(usage.to_csv(rows), nl=False)
+    else:
+        _print(rows)

@@ -1,0 +1,73 @@
+"""``kvgate serve``: migrate, then run the gateway under uvicorn (HTTPS unless --insecure-http)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Annotated
+
+import structlog
+import typer
+
+from gateway.cli import app
+from gateway.cli.common import DataDirOpt, DbUrlOpt, build_settings, run
+from gateway.settings import Settings
+
+
+def _configure_logging(settings: Settings) -> None:
+    try:
+        from audit.logging import configure_logging
+    except ImportError:  # the audit package is optional at this layer
+        return
+    configure_logging(json=settings.log_json, level="INFO")
+    logging.getLogger("alembic").setLevel(logging.WARNING)
+
+
+def _tls_kwargs(settings: Settings) -> dict[str, str]:
+    log = structlog.get_logger()
+    if settings.insecure_http:
+        log.warning("serve.insecure_http", message="serving plain HTTP; use only behind a TLS-terminating proxy")
+        return {}
+    if settings.tls_cert and settings.tls_key:
+        return {"ssl_certfile": str(settings.tls_cert), "ssl_keyfile": str(settings.tls_key)}
+    from gateway.tls import ensure_tls
+
+    files = ensure_tls(settings.data_dir, (settings.host,))
+    typer.echo(f"TLS CA certificate: {files.ca_cert}", err=True)
+    typer.echo(f"TLS CA SHA-256 fingerprint: {files.ca_fingerprint}", err=True)
+    typer.echo(f"clients: export SSL_CERT_FILE={files.ca_cert}", err=True)
+    return {"ssl_certfile": str(files.cert), "ssl_keyfile": str(files.key)}
+
+
+@app.command("serve")
+def serve(
+    host: Annotated[str | None, typer.Option(help="Bind address (KVGATE_HOST).")] = None,
+    port: Annotated[int | None, typer.Option(help="Bind port (KVGATE_PORT).")] = None,
+    data_dir: DataDirOpt = None,
+    db_url: DbUrlOpt = None,
+    model: Annotated[str | None, typer.Option(help="Model dir or GGUF; default model if unset.")] = None,
+    insecure_http: Annotated[bool | None, typer.Option("--insecure-http", help="Plain HTTP (behind a proxy).")] = None,
+    tls_cert: Annotated[Path | None, typer.Option(help="Server certificate PEM.")] = None,
+    tls_key: Annotated[Path | None, typer.Option(help="Server key PEM.")] = None,
+    num_kv_blocks: Annotated[int | None, typer.Option(help="KV pool size in blocks.")] = None,
+    max_num_seqs: Annotated[int | None, typer.Option(help="Engine batch limit.")] = None,
+    dtype: Annotated[str | None, typer.Option(help="float32 | bfloat16 | float16.")] = None,
+    device: Annotated[str | None, typer.Option(help="cpu | cuda.")] = None,
+) -> None:
+    """Run the HTTPS gateway with the engine in-process (migrates the database first)."""
+    import uvicorn
+
+    from gateway.app import create_app
+    from gateway.storage import migrate
+
+    settings = build_settings(host=host, port=port, data_dir=data_dir, db_url=db_url, model=model,
+                              insecure_http=insecure_http, tls_cert=tls_cert, tls_key=tls_key,
+                              num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs, dtype=dtype, device=device)
+    _configure_logging(settings)
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    run(lambda: migrate.upgrade(settings.database_url))
+    tls = _tls_kwargs(settings)
+    scheme = "http" if settings.insecure_http else "https"
+    typer.echo(f"kvgate serving on {scheme}://{settings.host}:{settings.port}", err=True)
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="warning",
+                access_log=False, lifespan="on", timeout_graceful_shutdown=5, **tls)
