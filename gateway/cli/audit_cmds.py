@@ -1,0 +1,122 @@
+"""``kvgate audit ...``: export, verify and purge the audit trail; print the public key."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from audit.export import ExportSpec, export_bundle
+from audit.keys import PUBLIC_KEY_FILE, load_or_create_keys, load_public_key
+from audit.store import AuditStore, AuditUnavailable
+from audit.verify import verify_bundle
+from gateway.cli import app
+from gateway.storage.db import default_db_url, normalize_db_url
+
+audit_app = typer.Typer(name="audit", help="Tamper-evident audit trail: export, verify, purge.",
+                        no_args_is_help=True)
+app.add_typer(audit_app, name="audit")
+
+
+def default_data_dir() -> Path:
+    env = os.environ.get("KVGATE_DATA_DIR")
+    return Path(env) if env else Path.home() / ".local" / "share" / "kvgate"
+
+
+DataDir = Annotated[Path | None, typer.Option("--data-dir", help="Data dir (default $KVGATE_DATA_DIR "
+                                                                  "or ~/.local/share/kvgate).")]
+DbUrl = Annotated[str | None, typer.Option("--db-url", envvar="KVGATE_DB_URL",
+                                           help="Database URL (default SQLite kvgate.db in the data dir).")]
+
+
+def _resolve(data_dir: Path | None, db_url: str | None) -> tuple[Path, str]:
+    data = data_dir or default_data_dir()
+    return data, normalize_db_url(db_url) if db_url else default_db_url(data)
+
+
+def _parse_when(value: str | None) -> datetime | None:
+    if value is None:
+        return None
+    try:
+        when = datetime.fromisoformat(value)
+    except ValueError as e:
+        raise typer.BadParameter(f"not an ISO-8601 date/time: {value!r}") from e
+    return when if when.tzinfo else when.replace(tzinfo=UTC)
+
+
+async def _with_store(data_dir: Path, db_url: str, action):  # type: ignore[no-untyped-def]
+    store = await AuditStore.open(db_url, data_dir)
+    try:
+        return await action(store)
+    finally:
+        await store.close()
+
+
+@audit_app.command("export")
+def export_cmd(
+    out: Annotated[Path, typer.Option("--out", help="Bundle path: a directory, or a file ending in .tar.")],
+    since: Annotated[str | None, typer.Option(help="Start (inclusive), ISO-8601; naive means UTC.")] = None,
+    until: Annotated[str | None, typer.Option(help="End (exclusive), ISO-8601; naive means UTC.")] = None,
+    tenant: Annotated[str | None, typer.Option(help="Only this tenant's events (with chain proofs).")] = None,
+    fmt: Annotated[str, typer.Option("--format", help="jsonl or csv.")] = "jsonl",
+    data_dir: DataDir = None,
+    db_url: DbUrl = None,
+) -> None:
+    """Write a signed, offline-verifiable export bundle."""
+    data, url = _resolve(data_dir, db_url)
+    spec = ExportSpec(since=_parse_when(since), until=_parse_when(until), tenant=tenant, fmt=fmt)
+    try:
+        manifest = asyncio.run(_with_store(data, url, lambda s: export_bundle(s, out, spec, actor="cli")))
+    except (AuditUnavailable, FileExistsError, ValueError) as e:
+        typer.echo(f"export failed: {e}", err=True)
+        raise typer.Exit(2) from e
+    rng = manifest["range"]
+    typer.echo(f"exported {manifest['counts']['events']} events (seq {rng['first_seq']}..{rng['last_seq']}) "
+               f"to {out}; signed by {manifest['public_key_fingerprint']}")
+
+
+@audit_app.command("verify")
+def verify_cmd(
+    bundle: Annotated[Path, typer.Argument(help="Bundle directory or .tar file.")],
+    public_key: Annotated[Path | None, typer.Option("--public-key", help="Trusted Ed25519 public key "
+                                                                         "(PEM). Strongly advised.")] = None,
+) -> None:
+    """Verify a bundle offline; exits 1 and names the first bad record on failure."""
+    key = load_public_key(public_key.read_bytes()) if public_key else None
+    result = verify_bundle(bundle, key)
+    for warning in result.warnings:
+        typer.echo(f"warning: {warning}", err=True)
+    typer.echo(str(result))
+    if not result.ok:
+        raise typer.Exit(1)
+
+
+@audit_app.command("purge")
+def purge_cmd(
+    before: Annotated[str, typer.Option("--before", help="Delete events older than this (ISO-8601).")],
+    data_dir: DataDir = None,
+    db_url: DbUrl = None,
+) -> None:
+    """Delete old events; a signed checkpoint at the cut keeps the rest verifiable."""
+    data, url = _resolve(data_dir, db_url)
+    when = _parse_when(before)
+    assert when is not None
+    try:
+        result = asyncio.run(_with_store(data, url, lambda s: s.purge(when, actor="cli")))
+    except AuditUnavailable as e:
+        typer.echo(f"purge failed: {e}", err=True)
+        raise typer.Exit(2) from e
+    typer.echo(f"purged {result.num_deleted} events (through seq {result.cut_seq})")
+
+
+@audit_app.command("public-key")
+def public_key_cmd(data_dir: DataDir = None) -> None:
+    """Print the audit signing public key (PEM) and its fingerprint."""
+    data = data_dir or default_data_dir()
+    keys = load_or_create_keys(data)
+    typer.echo((data / PUBLIC_KEY_FILE).read_text().rstrip())
+    typer.echo(keys.fingerprint)
