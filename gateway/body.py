@@ -13,8 +13,7 @@ M = TypeVar("M", bound=BaseModel)
 
 
 def _loc(error: dict) -> str | None:
-    parts = [str(p) for p in error.get("loc", ()) if not isinstance(p, int) or True]
-    return ".".join(parts) or None
+    return ".".join(str(p) for p in error.get("loc", ())) or None
 
 
 def parse_body(raw: bytes, model: type[M]) -> M:
@@ -30,7 +29,8 @@ def parse_body(raw: bytes, model: type[M]) -> M:
     if not isinstance(data, dict):
         raise InvalidRequest("The request body must be a JSON object.", code="invalid_json")
     try:
-        return model.model_validate(data, strict=True)
+        # Strict JSON mode: no "1" -> 1 coercion, but JSON arrays still fill tuple fields.
+        return model.model_validate_json(raw, strict=True)
     except ValidationError as e:
         first = e.errors(include_url=False, include_input=False)[0]
         param = _loc(first)

@@ -39,7 +39,7 @@ class Runtime:
     token_text: TokenText = field(init=False)
 
     def __post_init__(self) -> None:
-        self.db = make_db_engine(self.settings.database_url)
+        self.db = make_db_engine(self.settings.database_url, null_pool=self.settings.db_null_pool)
         self.sessionmaker = make_sessionmaker(self.db)
         self.hasher = Hasher(load_or_create_pepper(self.settings.data_dir))
         self.quota = QuotaService(self.sessionmaker, self.db.dialect.name)

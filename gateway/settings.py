@@ -35,6 +35,7 @@ class Settings(BaseSettings):
         max_model_len: Context limit override.
         max_body_bytes: Largest accepted request body.
         default_policy: Policy given to new tenants (JSON in ``KVGATE_DEFAULT_POLICY``).
+        db_null_pool: Open a database connection per session instead of pooling (PgBouncer; tests).
         log_json: Emit JSON logs.
     """
 
@@ -55,6 +56,7 @@ class Settings(BaseSettings):
     max_model_len: int | None = None
     max_body_bytes: int = 1_048_576
     default_policy: Policy = Field(default_factory=Policy)
+    db_null_pool: bool = False
     log_json: bool = True
 
     @property

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from sqlalchemy import event
+from sqlalchemy.pool import NullPool
 from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker, create_async_engine
 
 
@@ -34,8 +35,14 @@ def _sqlite_pragmas(dbapi_conn, _record) -> None:  # type: ignore[no-untyped-def
     cur.close()
 
 
-def make_db_engine(url: str) -> AsyncEngine:
+def make_db_engine(url: str, *, null_pool: bool = False) -> AsyncEngine:
+    """An async engine; ``null_pool`` opens a connection per session (PgBouncer, or several event loops)."""
     url = normalize_db_url(url)
+    if null_pool:
+        engine = create_async_engine(url, poolclass=NullPool)
+        if is_sqlite(url):
+            event.listen(engine.sync_engine, "connect", _sqlite_pragmas)
+        return engine
     if is_sqlite(url):
         engine = create_async_engine(url, pool_size=5, max_overflow=10)
         event.listen(engine.sync_engine, "connect", _sqlite_pragmas)

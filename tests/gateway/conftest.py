@@ -163,7 +163,7 @@ class Gateway:
 
 
 def make_settings(tmp_path: Path, db_url: str, **overrides: object) -> Settings:
-    return Settings(data_dir=tmp_path, db_url=db_url, insecure_http=True, **overrides)
+    return Settings(data_dir=tmp_path, db_url=db_url, insecure_http=True, db_null_pool=True, **overrides)
 
 
 
