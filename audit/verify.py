@@ -219,13 +219,13 @@ class _ChainWalk:
         self.result.num_events += 1
 
     def _finish(self, last_seq: int) -> None:
-        extra = next(self.events, None)
-        if extra is not None:
-            raise BundleInvalid(f"{self.events_name} line {extra[0]}", "unexpected extra record")
         end = self.manifest["end_seq"]
         if end is not None and last_seq != end:
             raise BundleInvalid(f"{bundle.CHAIN} (seq {last_seq + 1})",
                                 f"chain truncated: ends at seq {last_seq}, manifest end is {end}")
+        extra = next(self.events, None)
+        if extra is not None:
+            raise BundleInvalid(f"{self.events_name} line {extra[0]}", "unexpected extra record")
         if end is not None and end not in self.checkpoints:
             raise BundleInvalid(bundle.MANIFEST, f"end seq {end} is not a signed checkpoint")
         counts = self.manifest["counts"]

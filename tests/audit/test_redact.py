@@ -1,0 +1,123 @@
+"""Redaction: allow-list, content hashing and secret scrubbing in logs (capture_logs and the real chain)."""
+
+from __future__ import annotations
+
+import io
+import logging
+
+import orjson
+import pytest
+import structlog
+from structlog.testing import capture_logs
+
+from audit.context import bind_request_context, clear_request_context, register_sensitive
+from audit.logging import configure_logging
+from audit.patterns import ADMIN_TOKEN_FORMAT, KVG_KEY_FORMAT, scrub_text
+from audit.redact import NOT_ALLOWED, Redactor
+
+CANARY = "CANARY-7f3a9c-do-not-log"
+KVG_KEY = "kvg_0123456789abcdef_Q2FuYXJ5U2VjcmV0VmFsdWUxMjM0NTY"
+ADMIN = "kvga_fedcba9876543210_QWRtaW5TZWNyZXRWYWx1ZTEyMzQ1Ng"
+SECRETS = [
+    KVG_KEY.split("_", 2)[2], ADMIN.split("_", 2)[2], "sk-proj-abcdefghijklmnop1234", "AKIAIOSFODNN7EXAMPLE",
+    "ghp_abcdefghijklmnopqrstuvwxyz0123456789", "xoxb-123456789012-abcdefghij", "alice@example.com",
+    "4111 1111 1111 1111", "eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiIxMjM0In0.c2lnbmF0dXJl",
+]
+# As they would appear in the wild (the first two entries above are only the secret halves).
+FULL_SECRETS = [KVG_KEY, ADMIN, *SECRETS[2:]]
+
+
+@pytest.fixture(autouse=True)
+def _clean_context():
+    clear_request_context()
+    yield
+    clear_request_context()
+    structlog.reset_defaults()
+
+
+def test_token_formats_match_the_gateway() -> None:
+    from gateway.secrets import ADMIN_PREFIX, TENANT_PREFIX, new_token
+
+    assert KVG_KEY_FORMAT.match(new_token(TENANT_PREFIX)[2])
+    assert ADMIN_TOKEN_FORMAT.match(new_token(ADMIN_PREFIX)[2])
+    assert KVG_KEY_FORMAT.match(KVG_KEY) and ADMIN_TOKEN_FORMAT.match(ADMIN)
+
+
+@pytest.mark.parametrize("text", [
+    f"Authorization: Bearer {KVG_KEY}", f"key={KVG_KEY}", f"x-admin-token: {ADMIN}", "token sk-ant-abcdefghijklmnopqrstu",
+    "aws AKIAIOSFODNN7EXAMPLE", "mail alice@example.com", "card 4111-1111-1111-1111", "card 378282246310005",
+    "ghp_abcdefghijklmnopqrstuvwxyz0123456789", "Basic dXNlcjpwYXNzd29yZA==",
+    "-----BEGIN PRIVATE KEY-----\nMC4CAQAwBQYDK2VwBCIEIK\n-----END PRIVATE KEY-----",
+])
+def test_scrub_text_removes_secrets(text: str) -> None:
+    out = scrub_text(text)
+    for secret in [*SECRETS, "dXNlcjpwYXNzd29yZA", "MC4CAQAwBQYDK2VwBCIEIK", "378282246310005",
+                   "abcdefghijklmnopqrstu"]:
+        assert secret not in out, out
+
+
+def test_scrub_keeps_harmless_numbers_and_key_ids() -> None:
+    assert scrub_text("order 4111111111111112 total 12") == "order 4111111111111112 total 12"  # not Luhn
+    assert scrub_text(KVG_KEY) == "kvg_0123456789abcdef_[REDACTED]"
+
+
+def test_redactor_with_capture_logs() -> None:
+    redactor = Redactor(hash_key=b"k" * 32)
+    with capture_logs(processors=[structlog.contextvars.merge_contextvars, redactor]) as logs:
+        bind_request_context(request_id="req-1", tenant_id="t1", key_id="0123456789abcdef")
+        structlog.get_logger().info(
+            "completion", prompt=f"hello {CANARY}", messages=[{"role": "user", "content": CANARY}],
+            headers={"Authorization": f"Bearer {KVG_KEY}", "x-request-id": "abc"},
+            num_prompt_tokens=3, user_email="bob@example.com", error=f"failed for {CANARY} {ADMIN}",
+            nested={"deep": [{"text": CANARY}]},
+        )
+    (entry,) = logs
+    assert entry["prompt"] == {"len": len(f"hello {CANARY}"), "hmac": redactor.summarize(f"hello {CANARY}")["hmac"]}
+    assert set(entry["messages"]) == {"len", "hmac"}
+    assert entry["headers"] == {"Authorization": "[REDACTED]", "x-request-id": "abc"}
+    assert entry["num_prompt_tokens"] == 3 and entry["request_id"] == "req-1"
+    assert entry["user_email"] == NOT_ALLOWED and entry["nested"] == NOT_ALLOWED
+    dumped = orjson.dumps(entry, default=str).decode()
+    assert ADMIN.split("_", 2)[2] not in dumped and KVG_KEY.split("_", 2)[2] not in dumped
+    assert CANARY in entry["error"]  # not registered as sensitive: only secret patterns are scrubbed
+    register_sensitive(CANARY)
+    assert CANARY not in redactor(None, "info", {"error": f"x {CANARY!r} y"})["error"]
+
+
+def _boom(prompt: str) -> None:
+    raise ValueError(f"model rejected prompt {prompt!r} for key {KVG_KEY} (contact alice@example.com)")
+
+
+def test_real_chain_never_writes_canary_or_secrets() -> None:
+    buf = io.BytesIO()
+    configure_logging(json=True, level="DEBUG", stream=buf, hash_key=b"h" * 32)
+    log = structlog.get_logger("kvgate.test")
+    prompt = f"Summarize this: {CANARY}\nsecond line {CANARY}"
+    bind_request_context(request_id="r-9", tenant_id="t-9", key_id="0123456789abcdef")
+    register_sensitive(prompt)
+    log.info("request", prompt=prompt, headers={"authorization": f"Bearer {KVG_KEY}"},
+             body={"messages": [{"content": prompt}]}, path=f"/v1/chat?api_key={KVG_KEY}")
+    try:
+        _boom(prompt)
+    except ValueError:
+        log.exception("request failed", error=f"{FULL_SECRETS}")
+        logging.getLogger("uvicorn.error").exception("ASGI error with %s", ADMIN)
+    logging.getLogger("litestar").warning("headers %s", [(b"authorization", f"Bearer {ADMIN}".encode())])
+    logging.getLogger("uvicorn.access").info('127.0.0.1 - "GET /x?token=%s HTTP/1.1" 200', KVG_KEY)
+    out = buf.getvalue().decode()
+    lines = [orjson.loads(line) for line in out.splitlines()]
+    assert len(lines) == 5
+    assert all(line["request_id"] == "r-9" and line["timestamp"].endswith("Z") for line in lines)
+    assert "Traceback" in lines[1]["exception"] and "ValueError" in lines[1]["exception"]
+    assert {line.get("logger") for line in lines[2:]} == {"uvicorn.error", "litestar", "uvicorn.access"}
+    for needle in [CANARY, *SECRETS, "second line"]:
+        assert needle not in out, needle
+
+
+def test_console_renderer_and_level_filter() -> None:
+    buf = io.BytesIO()
+    configure_logging(json=False, level="WARNING", stream=buf)
+    structlog.get_logger().info("hidden", prompt=CANARY)
+    structlog.get_logger().warning("shown", prompt=CANARY, key_id="k")
+    out = buf.getvalue().decode()
+    assert "hidden" not in out and "shown" in out and CANARY not in out
