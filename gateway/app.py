@@ -37,7 +37,6 @@ class GatewayPlugin(InitPluginProtocol):
         self._configure_security(app_config)
         self._configure_lifespan(app_config)
         app_config.exception_handlers.update(exception_handlers)
-        app_config.request_max_body_size = self.runtime.settings.max_body_bytes
         app_config.openapi_config = OpenAPIConfig(title="kvgate", version="0.1.0", use_handler_docstrings=True)
         return app_config
 
@@ -83,4 +82,6 @@ def create_app(settings: Settings | None = None, *, engine: Any = None, audit_si
         The Litestar app; the database must already be migrated (``kvgate db upgrade``).
     """
     runtime = Runtime(settings or get_settings(), AuditHook(audit_sink), engine=engine)
-    return Litestar(plugins=[GatewayPlugin(runtime)], debug=debug)
+    # NOTE: passed to the constructor because Litestar ignores request_max_body_size set by plugins.
+    return Litestar(plugins=[GatewayPlugin(runtime)], debug=debug,
+                    request_max_body_size=runtime.settings.max_body_bytes)

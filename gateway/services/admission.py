@@ -68,7 +68,10 @@ def _text_token_ids(tokenizer: Any, req: CompletionRequest) -> list[int]:
 def _prompt_chars(req: ChatCompletionRequest | CompletionRequest) -> int:
     if isinstance(req, ChatCompletionRequest):
         return sum(len(m.text()) for m in req.messages)
-    return len(req.prompt) if isinstance(req.prompt, str) else len(req.prompt[0]) * 8
+    prompt = req.prompt
+    if isinstance(prompt, str):
+        return len(prompt)
+    return len(prompt[0]) if isinstance(prompt[0], str) else len(prompt) * 8
 
 
 async def tokenize(tokenizer: Any, req: ChatCompletionRequest | CompletionRequest) -> list[int]:

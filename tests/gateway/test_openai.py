@@ -1,0 +1,147 @@
+"""OpenAI-compatible endpoints against the real tiny engine."""
+
+import asyncio
+import json
+
+import orjson
+
+from policies import Policy
+
+
+async def tenant_headers(gw, policy=None):
+    _, key = await gw.make_tenant(policy=policy)
+    return {"Authorization": f"Bearer {key}"}
+
+
+def sse_events(text: str) -> list:
+    events = [line[len("data: "):] for line in text.split("\n") if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+async def test_chat_completion(gw):
+    h = await tenant_headers(gw)
+    model = gw.runtime.engine.model_name
+    r = await gw.client.post("/v1/chat/completions", headers=h, json={
+        "model": model, "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}],
+        "max_completion_tokens": 4, "temperature": 0, "n": 2, "logprobs": True, "top_logprobs": 2, "seed": 1})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "chat.completion" and len(body["choices"]) == 2
+    # exact prompt count: the model's own chat template
+    tok = gw.runtime.engine.tokenizer
+    ids = tok.apply_chat_template([{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}],
+                                  add_generation_prompt=True, tokenize=True)["input_ids"]
+    usage = body["usage"]
+    assert usage["prompt_tokens"] == len(ids) and usage["completion_tokens"] == 8
+    assert "cached_tokens" in usage["prompt_tokens_details"]
+    assert body["choices"][0]["finish_reason"] == "length"
+    lp = body["choices"][0]["logprobs"]["content"]
+    assert len(lp) == 4 and len(lp[0]["top_logprobs"]) == 2
+    assert body["choices"][0]["message"]["content"] == body["choices"][1]["message"]["content"]  # greedy
+
+
+async def test_chat_streaming_with_usage(gw):
+    h = await tenant_headers(gw)
+    model = gw.runtime.engine.model_name
+    req = {"model": model, "messages": [{"role": "user", "content": "tell me"}], "max_tokens": 6, "temperature": 0}
+    whole = (await gw.client.post("/v1/chat/completions", headers=h, json=req)).json()
+    r = await gw.client.post("/v1/chat/completions", headers=h,
+                             json=req | {"stream": True, "stream_options": {"include_usage": True}})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    events = sse_events(r.text)
+    assert events[0]["choices"][0]["delta"]["role"] == "assistant"
+    text = "".join(e["choices"][0]["delta"].get("content", "") for e in events if e["choices"])
+    assert text == whole["choices"][0]["message"]["content"]
+    finals = [e["choices"][0]["finish_reason"] for e in events if e["choices"] and e["choices"][0]["finish_reason"]]
+    assert finals == ["length"]
+    assert all(e["usage"] is None for e in events[:-1])
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 6
+    # the repeated prompt hits the tenant's prefix cache
+    assert events[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+
+async def test_completions_and_stream(gw):
+    h = await tenant_headers(gw)
+    model = gw.runtime.engine.model_name
+    r = await gw.client.post("/v1/completions", headers=h,
+                             json={"model": model, "prompt": "Once upon", "max_tokens": 3, "logprobs": 1})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "text_completion" and len(body["choices"][0]["logprobs"]["tokens"]) == 3
+    r = await gw.client.post("/v1/completions", headers=h,
+                             json={"model": model, "prompt": [1, 2, 3], "max_tokens": 3, "stream": True})
+    events = sse_events(r.text)
+    assert all(e["object"] == "text_completion" for e in events)
+    r = await gw.client.post("/v1/completions", headers=h, json={"model": model, "prompt": [10**9]})
+    assert r.status_code == 400
+
+
+async def test_models(gw):
+    h = await tenant_headers(gw)
+    body = (await gw.client.get("/v1/models", headers=h)).json()
+    model = gw.runtime.engine.model_name
+    assert body["object"] == "list" and body["data"][0]["id"] == model
+    assert (await gw.client.get(f"/v1/models/{model}", headers=h)).status_code == 200
+    r = await gw.client.post("/v1/chat/completions", headers=h,
+                             json={"model": "gpt-4", "messages": [{"role": "user", "content": "x"}]})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+async def test_context_length_exceeded(gw):
+    h = await tenant_headers(gw, Policy(max_context_tokens=64))
+    model = gw.runtime.engine.model_name
+    r = await gw.client.post("/v1/chat/completions", headers=h,
+                             json={"model": model, "messages": [{"role": "user", "content": "word " * 100}]})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    r = await gw.client.post("/v1/chat/completions", headers=h,
+                             json={"model": model, "messages": [{"role": "user", "content": "hi"}],
+                                   "max_tokens": 60})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    r = await gw.client.post("/v1/completions", headers=h,
+                             json={"model": model, "prompt": "x " * 5000, "max_tokens": 1})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+
+
+async def test_disconnect_mid_stream_aborts_and_settles(gw):
+    """Dropping the stream frees the engine request and settles actual (not reserved) usage."""
+    tid, key = await gw.make_tenant(policy=Policy(max_concurrent_requests=1))
+    h = {"Authorization": f"Bearer {key}"}
+    model = gw.runtime.engine.model_name
+    req = {"model": model, "messages": [{"role": "user", "content": "go"}], "max_tokens": 1500,
+           "temperature": 1.0, "stream": True}
+    async with gw.client.stream("POST", "/v1/chat/completions", headers=h, json=req) as r:
+        assert r.status_code == 200
+        seen = 0
+        async for line in r.aiter_lines():
+            seen += line.startswith("data: ")
+            if seen >= 4:
+                break
+    eng = gw.runtime.engine
+    for _ in range(200):  # the abort reaches the engine and the slot is released
+        await asyncio.sleep(0.05)
+        r = await gw.client.post("/v1/chat/completions", headers=h,
+                                 json=req | {"stream": False, "max_tokens": 1})
+        if r.status_code == 200 and eng.stats().num_running == 0:
+            break
+    assert r.status_code == 200, r.text
+    assert eng.stats().num_running == 0
+    rows = (await gw.client.get(f"/admin/v1/tenants/{tid}/usage?window=day", headers=gw.admin())).json()
+    assert rows[0]["completion_tokens"] < 1500  # settled to what was generated
+
+
+async def test_stream_finish_with_stop_string(gw):
+    h = await tenant_headers(gw)
+    model = gw.runtime.engine.model_name
+    base = {"model": model, "prompt": "a b c", "max_tokens": 8, "temperature": 0}
+    text = (await gw.client.post("/v1/completions", headers=h, json=base)).json()["choices"][0]["text"]
+    stop = text.strip()[:2] if text.strip() else None
+    if stop:
+        r = (await gw.client.post("/v1/completions", headers=h, json=base | {"stop": [stop]})).json()
+        assert stop not in r["choices"][0]["text"] and r["choices"][0]["finish_reason"] == "stop"
+
+
+def test_sse_payload_is_compact_json():
+    from gateway.openai_format import sse
+
+    assert sse({"a": 1}) == b"data: " + orjson.dumps({"a": 1}) + b"\n\n"
