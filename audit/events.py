@@ -66,7 +66,8 @@ SECRET_FIELD_NAMES = frozenset({
 def strip_secrets(value: Any) -> Any:
     """A copy of ``value`` without secret-named keys (for admin before/after snapshots)."""
     if isinstance(value, Mapping):
-        return {str(k): strip_secrets(v) for k, v in value.items() if str(k).lower() not in SECRET_FIELD_NAMES}
+        return {str(k): strip_secrets(v) for k, v in value.items()
+                if str(k).lower() not in SECRET_FIELD_NAMES}
     if isinstance(value, list | tuple):
         return [strip_secrets(v) for v in value]
     return value

@@ -34,7 +34,6 @@ from audit.keys import public_key_pem
 from audit.store import AuditStore, _fail_closed, format_ts, now_ts
 from audit.tables import audit_checkpoints, audit_events
 
-
 _CP_KEYS = ("seq", "link", "chain_hash", "created_at", "signature")
 
 
@@ -83,7 +82,8 @@ async def _plan(store: AuditStore, spec: ExportSpec) -> dict[str, Any]:
         cps = (await conn.execute(select(audit_checkpoints).where(
             audit_checkpoints.c.seq >= anchor_seq, audit_checkpoints.c.seq <= end_seq)
             .order_by(audit_checkpoints.c.seq))).mappings().all()
-    return {"first": first, "last": last, "end": end_seq, "checkpoints": [{k: c[k] for k in _CP_KEYS} for c in cps],
+    return {"first": first, "last": last, "end": end_seq,
+            "checkpoints": [{k: c[k] for k in _CP_KEYS} for c in cps],
             "anchor": {"seq": anchor_seq, "link": str(anchor["link"]) if anchor else chain.GENESIS}}
 
 
@@ -162,7 +162,8 @@ async def record_export(store: AuditStore, spec: ExportSpec, manifest: dict[str,
                         actor: str | None) -> None:
     """Append the ``audit.exported`` event (after the bundle is built, so it can name its digest)."""
     await store.append(make_event(
-        AUDIT_EXPORTED, actor=actor, tenant_id=spec.tenant, since=manifest["range"]["since"], until=manifest["range"]["until"],
+        AUDIT_EXPORTED, actor=actor, tenant_id=spec.tenant, since=manifest["range"]["since"],
+        until=manifest["range"]["until"],
         tenant=spec.tenant, format=spec.fmt, num_events=manifest["counts"]["events"],
         first_seq=manifest["range"]["first_seq"], last_seq=manifest["range"]["last_seq"],
         manifest_sha256=hashlib.sha256(chain.canonical_json(manifest)).hexdigest()))

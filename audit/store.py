@@ -71,7 +71,7 @@ def now_ts() -> str:
 def _fail_closed(operation: str) -> Iterator[None]:
     try:
         yield
-    except (sa_exc.DBAPIError, sa_exc.InterfaceError, OSError, ConnectionError, asyncio.TimeoutError) as e:
+    except (TimeoutError, sa_exc.DBAPIError, sa_exc.InterfaceError, OSError, ConnectionError) as e:
         detail = scrub_text(str(getattr(e, "orig", e)).splitlines()[0] if str(e) else "")
         raise AuditUnavailable(f"audit store unavailable ({operation}): {type(e).__name__}: {detail}") from e
 

@@ -41,13 +41,13 @@ async def _pg_admin(sql: str) -> None:
         await conn.close()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture
 def pg_url() -> Iterator[str]:
-    """A fresh database per run on 127.0.0.1:5432 (trust auth), dropped afterwards."""
+    """A fresh database per test on 127.0.0.1:5432 (trust auth), dropped afterwards."""
     name = f"kvgate_audit_{secrets.token_hex(4)}"
     try:
         asyncio.run(_pg_admin(f'CREATE DATABASE "{name}"'))
-    except (OSError, asyncio.TimeoutError, ImportError) as e:
+    except (TimeoutError, OSError, ImportError) as e:
         if os.environ.get("CI"):
             pytest.fail(f"PostgreSQL at 127.0.0.1:5432 is required in CI: {e}")
         pytest.skip(f"no PostgreSQL server answers at 127.0.0.1:5432 ({type(e).__name__}: {e})")

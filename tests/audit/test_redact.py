@@ -44,7 +44,8 @@ def test_token_formats_match_the_gateway() -> None:
 
 
 @pytest.mark.parametrize("text", [
-    f"Authorization: Bearer {KVG_KEY}", f"key={KVG_KEY}", f"x-admin-token: {ADMIN}", "token sk-ant-abcdefghijklmnopqrstu",
+    f"Authorization: Bearer {KVG_KEY}", f"key={KVG_KEY}", f"x-admin-token: {ADMIN}",
+    "token sk-ant-abcdefghijklmnopqrstu",
     "aws AKIAIOSFODNN7EXAMPLE", "mail alice@example.com", "card 4111-1111-1111-1111", "card 378282246310005",
     "ghp_abcdefghijklmnopqrstuvwxyz0123456789", "Basic dXNlcjpwYXNzd29yZA==",
     "-----BEGIN PRIVATE KEY-----\nMC4CAQAwBQYDK2VwBCIEIK\n-----END PRIVATE KEY-----",
@@ -72,7 +73,8 @@ def test_redactor_with_capture_logs() -> None:
             nested={"deep": [{"text": CANARY}]},
         )
     (entry,) = logs
-    assert entry["prompt"] == {"len": len(f"hello {CANARY}"), "hmac": redactor.summarize(f"hello {CANARY}")["hmac"]}
+    summary = redactor.summarize(f"hello {CANARY}")
+    assert entry["prompt"] == {"len": len(f"hello {CANARY}"), "hmac": summary["hmac"]}
     assert set(entry["messages"]) == {"len", "hmac"}
     assert entry["headers"] == {"Authorization": "[REDACTED]", "x-request-id": "abc"}
     assert entry["num_prompt_tokens"] == 3 and entry["request_id"] == "req-1"
