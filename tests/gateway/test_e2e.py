@@ -1,0 +1,92 @@
+"""End to end: `kvgate serve` over TLS on loopback, admin API over HTTPS, then the official openai SDK."""
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+KVGATE = [sys.executable, "-c", "from gateway.cli import app; app()"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, tiny_model_dir):
+    data_dir = tmp_path_factory.mktemp("e2e-data")
+    port = _free_port()
+    env = os.environ | {"KVGATE_DATA_DIR": str(data_dir), "KVGATE_LOG_JSON": "true"}
+    log = open(data_dir / "serve.log", "wb")
+    proc = subprocess.Popen([*KVGATE, "serve", "--port", str(port), "--model", str(tiny_model_dir),
+                             "--num-kv-blocks", "128", "--max-num-seqs", "4"], env=env, stdout=log,
+                            stderr=subprocess.STDOUT)
+    ca = data_dir / "tls" / "ca.pem"
+    base = f"https://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, (data_dir / "serve.log").read_text()
+            if ca.exists():
+                try:
+                    if httpx.get(f"{base}/readyz", verify=str(ca), timeout=2).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+            assert time.monotonic() < deadline, (data_dir / "serve.log").read_text()
+            time.sleep(0.3)
+        token = subprocess.run([*KVGATE, "admin", "bootstrap"], env=env, check=True, capture_output=True,
+                               text=True).stdout.strip()
+        yield base, ca, token, data_dir, env
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
+def test_end_to_end_with_openai_sdk(server):
+    base, ca, token, data_dir, env = server
+    assert token.startswith("kvga_")
+    log = (data_dir / "serve.log").read_text()
+    assert "SHA-256 fingerprint" in log and str(ca) in log
+    with pytest.raises(httpx.ConnectError):  # TLS is on: a client without the CA must not connect
+        httpx.get(f"{base}/healthz", timeout=5)
+    admin = httpx.Client(base_url=base, verify=str(ca), headers={"Authorization": f"Bearer {token}"}, timeout=30)
+    tenant = admin.post("/admin/v1/tenants", json={"name": "e2e"}).json()
+    key = admin.post(f"/admin/v1/tenants/{tenant['id']}/keys", json={"name": "sdk"}).json()["key"]
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key=key, http_client=httpx.Client(verify=str(ca)),
+                           max_retries=0)
+    model = client.models.list().data[0].id
+    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hello"}],
+                                          max_tokens=4)
+    assert chat.choices[0].finish_reason == "length" and chat.usage.completion_tokens == 4
+    chunks = list(client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hello"}],
+                                                 max_tokens=4, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert chunks[-1].usage.completion_tokens == 4 and chunks[-1].usage.prompt_tokens_details.cached_tokens >= 0
+    text = client.completions.create(model=model, prompt="The sky is", max_tokens=3)
+    assert text.usage.completion_tokens == 3
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{base}/v1", api_key="kvg_0123456789abcdef_" + "z" * 43,
+                      http_client=httpx.Client(verify=str(ca)), max_retries=0).models.list()
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.chat.completions.create(model=model, messages=[{"role": "user", "content": "x " * 3000}])
+    assert exc.value.code == "context_length_exceeded"
+    metrics = admin.get("/metrics").text
+    assert "kvgate_requests_total" in metrics and "kvgate_time_to_first_token_seconds_bucket" in metrics
+    usage = admin.get(f"/admin/v1/tenants/{tenant['id']}/usage", params={"window": "day"}).json()
+    assert usage[0]["num_requests"] == 3
+    log = (data_dir / "serve.log").read_text()
+    assert key not in log and key.split("_", 2)[2] not in log and token.split("_", 2)[2] not in log
+    assert Path(data_dir / "pepper").stat().st_mode & 0o077 == 0
