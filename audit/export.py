@@ -66,7 +66,11 @@ class _HashedFile:
 async def _plan(store: AuditStore, spec: ExportSpec) -> dict[str, Any]:
     """Resolve the time range to seq bounds, the anchor and the end checkpoint."""
     async with store.engine.connect() as conn:
-        q = select(func.min(audit_events.c.seq), func.max(audit_events.c.seq))
+        # Events appended after the newest checkpoint wait for the next export: the range must end
+        # at or before a signed position even while writers keep appending.
+        signed = (await conn.execute(select(func.max(audit_checkpoints.c.seq)))).scalar() or 0
+        q = select(func.min(audit_events.c.seq), func.max(audit_events.c.seq)).where(
+            audit_events.c.seq <= signed)
         if spec.since is not None:
             q = q.where(audit_events.c.ts >= format_ts(spec.since))
         if spec.until is not None:

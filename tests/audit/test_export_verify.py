@@ -196,3 +196,14 @@ async def test_tampering_inside_tar(store: AuditStore, tmp_path: Path) -> None:
     result = verify_bundle(tmp_path / "evil.tar", store.keys.public_key)
     assert not result.ok and result.bad_record == "events.csv line 5 (seq 4)", result
     shutil.rmtree(work)
+
+
+async def test_export_while_writers_append(store: AuditStore, tmp_path: Path) -> None:
+    import asyncio
+
+    await append_events(store, 5)
+    writer = asyncio.create_task(append_events(store, 30))
+    await asyncio.sleep(0.01)
+    await export_bundle(store, tmp_path / "live", ExportSpec())
+    await writer
+    assert verify_bundle(tmp_path / "live", store.keys.public_key).ok
