@@ -8,8 +8,9 @@ from typing import Any
 
 from audit.context import get_request_context
 
-AUTH_SUCCEEDED = "auth.succeeded"
-AUTH_FAILED = "auth.failed"
+# Names match the gateway hook (gateway/audit_hook.py).
+AUTH_SUCCEEDED = "auth.success"
+AUTH_FAILED = "auth.failure"
 REQUEST_ADMITTED = "request.admitted"
 REQUEST_REJECTED = "request.rejected"
 REQUEST_FINISHED = "request.finished"
@@ -31,13 +32,13 @@ SERVICE_STOPPED = "service.stopped"
 _REQUEST_COMMON = ("model", "num_prompt_tokens", "prompt_hash", "determinism", "policy_version")
 # name -> fields allowed in ``data``. Top-level ids (tenant, key, request, actor) are columns, not data.
 EVENT_FIELDS: dict[str, frozenset[str]] = {
-    AUTH_SUCCEEDED: frozenset({"method", "path", "scopes"}),
-    AUTH_FAILED: frozenset({"method", "path", "reason"}),
-    REQUEST_ADMITTED: frozenset({*_REQUEST_COMMON, "max_tokens", "priority"}),
-    REQUEST_REJECTED: frozenset({*_REQUEST_COMMON, "reason", "violations", "status_code"}),
+    AUTH_SUCCEEDED: frozenset({"kind", "method", "path", "scopes"}),
+    AUTH_FAILED: frozenset({"kind", "method", "path", "reason"}),
+    REQUEST_ADMITTED: frozenset({*_REQUEST_COMMON, "max_tokens", "priority", "num_reserved_tokens"}),
+    REQUEST_REJECTED: frozenset({*_REQUEST_COMMON, "reason", "code", "status", "violations", "status_code"}),
     REQUEST_FINISHED: frozenset({
         *_REQUEST_COMMON, "num_completion_tokens", "num_cached_tokens", "latency_ms", "ttft_ms",
-        "finish_reason", "status_code", "is_stream",
+        "finish_reason", "finish_reasons", "status_code", "is_stream", "is_aborted",
     }),
     ADMIN_ACTION: frozenset({"action", "target_type", "target_id", "before", "after", "status_code"}),
     POLICY_VERSION_CREATED: frozenset({"version", "previous_version", "before", "after", "comment"}),
@@ -55,6 +56,11 @@ EVENT_FIELDS: dict[str, frozenset[str]] = {
     SERVICE_STARTED: frozenset({"version", "pid"}),
     SERVICE_STOPPED: frozenset({"pid"}),
 }
+
+# Any ``admin.<action>`` name (the gateway emits admin.tenant_created, admin.key_rotated, ...).
+ADMIN_PREFIX = "admin."
+ADMIN_FIELDS = frozenset({"action", "target_type", "target_id", "before", "after", "version", "new_key_id",
+                          "name", "expires_at", "status_code", "comment"})
 
 # Keys dropped from admin before/after snapshots at any depth: the audit trail never holds secrets.
 SECRET_FIELD_NAMES = frozenset({
@@ -102,7 +108,7 @@ def make_event(
     Raises:
         ValueError: Unknown event name or a field outside its allow-list.
     """
-    allowed = EVENT_FIELDS.get(name)
+    allowed = EVENT_FIELDS.get(name) or (ADMIN_FIELDS if name.startswith(ADMIN_PREFIX) else None)
     if allowed is None:
         raise ValueError(f"unknown audit event {name!r}")
     unknown = set(fields) - allowed

@@ -101,3 +101,17 @@ async def test_crypto_shredding(store: AuditStore, tmp_path: Path) -> None:
         await retention.get("t1", rid)
     assert (await retention.get("t2", other)).completion == "ok"
     assert await retention.purge_expired(datetime.now(UTC) + timedelta(days=8)) == 2
+
+
+async def test_gateway_hook_sink_names(store: AuditStore) -> None:
+    from audit.sink import store_sink
+
+    sink = store_sink(store)
+    await sink("auth.success", {"kind": "tenant", "key_id": "k", "tenant_id": "t", "path": "/v1/models"})
+    await sink("request.finished", {"request_id": "r", "tenant_id": "t", "key_id": "k",
+                                    "finish_reasons": ["stop"], "num_prompt_tokens": 3,
+                                    "num_completion_tokens": 4, "num_cached_tokens": 0, "is_aborted": False})
+    await sink("admin.key_rotated", {"actor": "admin1", "tenant_id": "t", "key_id": "k", "new_key_id": "k2"})
+    with pytest.raises(ValueError):
+        await sink("request.finished", {"prompt": "never"})
+    assert (await store.head()).seq == 3 and (await verify_store(store)).ok
