@@ -90,3 +90,34 @@ def test_end_to_end_with_openai_sdk(server):
     log = (data_dir / "serve.log").read_text()
     assert key not in log and key.split("_", 2)[2] not in log and token.split("_", 2)[2] not in log
     assert Path(data_dir / "pepper").stat().st_mode & 0o077 == 0
+
+
+def test_client_disconnect_aborts_and_settles(server):
+    """Closing the connection mid-stream aborts the engine request and settles only what was generated."""
+    base, ca, token, _, _ = server
+    admin = httpx.Client(base_url=base, verify=str(ca), headers={"Authorization": f"Bearer {token}"}, timeout=30)
+    tenant = admin.post("/admin/v1/tenants", json={"name": "disconnect",
+                                                   "policy": {"max_concurrent_requests": 1}}).json()
+    key = admin.post(f"/admin/v1/tenants/{tenant['id']}/keys", json={}).json()["key"]
+    headers = {"Authorization": f"Bearer {key}"}
+    model = httpx.get(f"{base}/v1/models", headers=headers, verify=str(ca)).json()["data"][0]["id"]
+    req = {"model": model, "messages": [{"role": "user", "content": "go"}], "max_tokens": 1900, "stream": True,
+           "temperature": 1.0}
+    with httpx.Client(verify=str(ca), timeout=30) as c, \
+            c.stream("POST", f"{base}/v1/chat/completions", headers=headers, json=req) as r:
+        assert r.status_code == 200
+        for i, _ in enumerate(r.iter_lines()):
+            if i >= 6:
+                break
+    # the concurrency slot comes back once the aborted request has been settled
+    deadline = time.monotonic() + 20
+    while True:
+        r = httpx.post(f"{base}/v1/chat/completions", headers=headers, verify=str(ca), timeout=30,
+                       json=req | {"stream": False, "max_tokens": 1})
+        if r.status_code == 200 or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert r.status_code == 200, r.text
+    usage = admin.get(f"/admin/v1/tenants/{tenant['id']}/usage", params={"window": "day"}).json()[0]
+    assert usage["num_requests"] == 2 and usage["completion_tokens"] < 1000
+    assert "kvgate_engine_running_requests 0.0" in admin.get("/metrics").text

@@ -1,6 +1,5 @@
 """OpenAI-compatible endpoints against the real tiny engine."""
 
-import asyncio
 import json
 
 import orjson
@@ -101,33 +100,6 @@ async def test_context_length_exceeded(gw):
     r = await gw.client.post("/v1/completions", headers=h,
                              json={"model": model, "prompt": "x " * 5000, "max_tokens": 1})
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
-
-
-async def test_disconnect_mid_stream_aborts_and_settles(gw):
-    """Dropping the stream frees the engine request and settles actual (not reserved) usage."""
-    tid, key = await gw.make_tenant(policy=Policy(max_concurrent_requests=1))
-    h = {"Authorization": f"Bearer {key}"}
-    model = gw.runtime.engine.model_name
-    req = {"model": model, "messages": [{"role": "user", "content": "go"}], "max_tokens": 1500,
-           "temperature": 1.0, "stream": True}
-    async with gw.client.stream("POST", "/v1/chat/completions", headers=h, json=req) as r:
-        assert r.status_code == 200
-        seen = 0
-        async for line in r.aiter_lines():
-            seen += line.startswith("data: ")
-            if seen >= 4:
-                break
-    eng = gw.runtime.engine
-    for _ in range(200):  # the abort reaches the engine and the slot is released
-        await asyncio.sleep(0.05)
-        r = await gw.client.post("/v1/chat/completions", headers=h,
-                                 json=req | {"stream": False, "max_tokens": 1})
-        if r.status_code == 200 and eng.stats().num_running == 0:
-            break
-    assert r.status_code == 200, r.text
-    assert eng.stats().num_running == 0
-    rows = (await gw.client.get(f"/admin/v1/tenants/{tid}/usage?window=day", headers=gw.admin())).json()
-    assert rows[0]["completion_tokens"] < 1500  # settled to what was generated
 
 
 async def test_stream_finish_with_stop_string(gw):
