@@ -28,8 +28,9 @@ from gateway.settings import Settings, get_settings
 class GatewayPlugin(InitPluginProtocol):
     """Wires routes, DI, auth, errors and the lifespan onto the app config in small steps."""
 
-    def __init__(self, runtime: Runtime) -> None:
+    def __init__(self, runtime: Runtime, *, has_custom_sink: bool = False) -> None:
         self.runtime = runtime
+        self.has_custom_sink = has_custom_sink
 
     def on_app_init(self, app_config: AppConfig) -> AppConfig:
         self._configure_routes(app_config)
@@ -37,7 +38,9 @@ class GatewayPlugin(InitPluginProtocol):
         self._configure_security(app_config)
         self._configure_lifespan(app_config)
         app_config.exception_handlers.update(exception_handlers)
-        app_config.openapi_config = OpenAPIConfig(title="kvgate", version="0.1.0", use_handler_docstrings=True)
+        app_config.openapi_config = OpenAPIConfig(
+            title="kvgate", version="0.1.0", use_handler_docstrings=True
+        )
         return app_config
 
     def _configure_routes(self, cfg: AppConfig) -> None:
@@ -45,21 +48,23 @@ class GatewayPlugin(InitPluginProtocol):
 
     def _configure_dependencies(self, cfg: AppConfig) -> None:
         cfg.state = State({"runtime": self.runtime})
-        cfg.dependencies.update({
-            "runtime": Provide(provide_runtime, sync_to_thread=False),
-            "session": Provide(provide_session),
-            "principal": Provide(provide_principal, sync_to_thread=False),
-        })
+        cfg.dependencies.update(
+            {
+                "runtime": Provide(provide_runtime, sync_to_thread=False),
+                "session": Provide(provide_session),
+                "principal": Provide(provide_principal, sync_to_thread=False),
+            }
+        )
 
     def _configure_security(self, cfg: AppConfig) -> None:
         cfg.middleware.append(DefineMiddleware(ApiKeyAuthMiddleware, exclude=[*PUBLIC_PATHS, "^/schema"]))
 
     def _configure_lifespan(self, cfg: AppConfig) -> None:
-        runtime = self.runtime
+        runtime, has_custom_sink = self.runtime, self.has_custom_sink
 
         @asynccontextmanager
         async def lifespan(_: Litestar) -> AsyncIterator[None]:
-            runtime.start()
+            await runtime.start(has_custom_sink=has_custom_sink)
             try:
                 yield
             finally:
@@ -68,14 +73,20 @@ class GatewayPlugin(InitPluginProtocol):
         cfg.lifespan.append(lifespan)
 
 
-def create_app(settings: Settings | None = None, *, engine: Any = None, audit_sink: AuditSink | None = None,
-               debug: bool = False) -> Litestar:
+def create_app(
+    settings: Settings | None = None,
+    *,
+    engine: Any = None,
+    audit_sink: AuditSink | None = None,
+    debug: bool = False,
+) -> Litestar:
     """Build the gateway app.
 
     Args:
         settings: Configuration; ``None`` reads ``get_settings()``.
         engine: An already-started ``AsyncLLMEngine`` to share (tests); ``None`` loads one at start-up.
-        audit_sink: Where audit events go (the audit package's writer); ``None`` logs them.
+        audit_sink: Where audit events go; ``None`` chains them into ``audit.AuditStore`` on the same
+            database (or logs them when ``settings.audit_enabled`` is off).
         debug: Litestar debug mode.
 
     Returns:
@@ -83,5 +94,8 @@ def create_app(settings: Settings | None = None, *, engine: Any = None, audit_si
     """
     runtime = Runtime(settings or get_settings(), AuditHook(audit_sink), engine=engine)
     # NOTE: passed to the constructor because Litestar ignores request_max_body_size set by plugins.
-    return Litestar(plugins=[GatewayPlugin(runtime)], debug=debug,
-                    request_max_body_size=runtime.settings.max_body_bytes)
+    return Litestar(
+        plugins=[GatewayPlugin(runtime, has_custom_sink=audit_sink is not None)],
+        debug=debug,
+        request_max_body_size=runtime.settings.max_body_bytes,
+    )

@@ -15,8 +15,9 @@ PUBLIC_PATHS = ["^/healthz$", "^/readyz$"]
 def _bearer(connection: ASGIConnection) -> str:
     header = connection.headers.get("authorization")
     if not header:
-        raise AuthError("You didn't provide an API key. Use 'Authorization: Bearer <key>'.",
-                        code="missing_api_key")
+        raise AuthError(
+            "You didn't provide an API key. Use 'Authorization: Bearer <key>'.", code="missing_api_key"
+        )
     scheme, _, token = header.partition(" ")
     token = token.strip()
     if scheme.lower() != "bearer" or not token:
@@ -35,8 +36,13 @@ class ApiKeyAuthMiddleware(AbstractAuthenticationMiddleware):
             async with runtime.sessionmaker() as session:
                 principal = await authenticate(session, runtime.hasher, token)
         except AuthError as e:
-            await runtime.audit.emit("auth.failure", reason=e.code, path=path)
+            await runtime.audit.emit("auth.failure", required=False, reason=e.code, path=path)
             raise
-        await runtime.audit.emit("auth.success", kind=principal.kind, key_id=principal.key_id,
-                                 tenant_id=principal.tenant_id, path=path)
+        await runtime.audit.emit(
+            "auth.success",
+            kind=principal.kind,
+            key_id=principal.key_id,
+            tenant_id=principal.tenant_id,
+            path=path,
+        )
         return AuthenticationResult(user=principal, auth=None)

@@ -34,5 +34,6 @@ def parse_body(raw: bytes, model: type[M]) -> M:
     except ValidationError as e:
         first = e.errors(include_url=False, include_input=False)[0]
         param = _loc(first)
-        raise InvalidRequest(f"Invalid value for '{param}': {first['msg']}.", code="invalid_value",
-                             param=param) from None
+        raise InvalidRequest(
+            f"Invalid value for '{param}': {first['msg']}.", code="invalid_value", param=param
+        ) from None

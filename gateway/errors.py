@@ -8,12 +8,22 @@ import structlog
 from litestar import Request, Response
 from litestar.exceptions import HTTPException
 
+from gateway.audit_hook import AuditUnavailableError
+
 log = structlog.get_logger()
 
-_TYPES_BY_STATUS = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                    404: "not_found_error", 405: "invalid_request_error", 409: "conflict_error",
-                    413: "invalid_request_error", 415: "invalid_request_error", 422: "invalid_request_error",
-                    429: "rate_limit_error"}
+_TYPES_BY_STATUS = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    409: "conflict_error",
+    413: "invalid_request_error",
+    415: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+}
 
 
 class GatewayError(Exception):
@@ -23,8 +33,14 @@ class GatewayError(Exception):
     error_type = "server_error"
     default_code: str | None = None
 
-    def __init__(self, message: str, *, code: str | None = None, param: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        code: str | None = None,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.code = code or self.default_code
@@ -74,8 +90,9 @@ class Forbidden(ClientError):
 class PolicyViolation(ClientError):
     """Refused by the tenant's policy; the status comes from the policy's ``Violation``."""
 
-    def __init__(self, message: str, *, status: int = 400, code: str | None = None,
-                 param: str | None = None) -> None:
+    def __init__(
+        self, message: str, *, status: int = 400, code: str | None = None, param: str | None = None
+    ) -> None:
         super().__init__(message, code=code, param=param)
         self.status_code = status
         self.error_type = _TYPES_BY_STATUS.get(status, "invalid_request_error")
@@ -91,8 +108,14 @@ def error_body(message: str, error_type: str, code: str | None = None, param: st
     return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
 
 
-def error_response(status: int, message: str, error_type: str, code: str | None = None,
-                   param: str | None = None, headers: dict[str, str] | None = None) -> Response[Any]:
+def error_response(
+    status: int,
+    message: str,
+    error_type: str,
+    code: str | None = None,
+    param: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> Response[Any]:
     return Response(error_body(message, error_type, code, param), status_code=status, headers=headers)
 
 
@@ -108,8 +131,23 @@ def _http_exception_handler(_: Request, exc: HTTPException) -> Response[Any]:
         log.error("request.error", exc_info=exc)
         return error_response(status, "Internal server error.", "server_error")
     code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(status)
-    return error_response(status, str(exc.detail), _TYPES_BY_STATUS.get(status, "invalid_request_error"), code,
-                          headers=dict(exc.headers or {}))
+    return error_response(
+        status,
+        str(exc.detail),
+        _TYPES_BY_STATUS.get(status, "invalid_request_error"),
+        code,
+        headers=dict(exc.headers or {}),
+    )
+
+
+def _audit_unavailable_handler(_: Request, exc: Exception) -> Response[Any]:
+    log.error("audit.unavailable", exc_info=exc)
+    return error_response(
+        503,
+        "The audit trail is unavailable; the request was not processed.",
+        "server_error",
+        "audit_unavailable",
+    )
 
 
 def _unhandled_handler(_: Request, exc: Exception) -> Response[Any]:
@@ -118,6 +156,7 @@ def _unhandled_handler(_: Request, exc: Exception) -> Response[Any]:
 
 
 exception_handlers = {
+    AuditUnavailableError: _audit_unavailable_handler,
     GatewayError: _gateway_error_handler,
     HTTPException: _http_exception_handler,
     Exception: _unhandled_handler,

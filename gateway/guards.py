@@ -12,8 +12,9 @@ from gateway.services.keys import Principal
 def requires_tenant(connection: ASGIConnection, _: BaseRouteHandler) -> None:
     principal: Principal | None = connection.scope.get("user")
     if principal is None or principal.kind != "tenant":
-        raise Forbidden("This endpoint needs a tenant API key; admin tokens cannot call it.",
-                        code="tenant_key_required")
+        raise Forbidden(
+            "This endpoint needs a tenant API key; admin tokens cannot call it.", code="tenant_key_required"
+        )
 
 
 def requires_admin(connection: ASGIConnection, _: BaseRouteHandler) -> None:

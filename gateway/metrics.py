@@ -24,14 +24,19 @@ class _EngineCollector(Collector):
         yield GaugeMetricFamily("kvgate_engine_running_requests", "Sequences running", value=s.num_running)
         yield GaugeMetricFamily("kvgate_engine_waiting_requests", "Queue length", value=s.num_waiting)
         total = max(s.num_kv_blocks_total, 1)
-        yield GaugeMetricFamily("kvgate_kv_cache_usage_ratio", "Fraction of KV blocks in use",
-                                value=s.num_kv_blocks_used / total)
+        yield GaugeMetricFamily(
+            "kvgate_kv_cache_usage_ratio", "Fraction of KV blocks in use", value=s.num_kv_blocks_used / total
+        )
         queries = getattr(s, "prefix_cache_queries", 0)
         hits = getattr(s, "prefix_cache_hits", 0)
-        yield GaugeMetricFamily("kvgate_prefix_cache_hit_ratio", "Prefix-cache hits / queries (tokens)",
-                                value=hits / queries if queries else 0.0)
-        yield GaugeMetricFamily("kvgate_engine_preemptions", "Preemptions so far",
-                                value=getattr(s, "num_preemptions", 0))
+        yield GaugeMetricFamily(
+            "kvgate_prefix_cache_hit_ratio",
+            "Prefix-cache hits / queries (tokens)",
+            value=hits / queries if queries else 0.0,
+        )
+        yield GaugeMetricFamily(
+            "kvgate_engine_preemptions", "Preemptions so far", value=getattr(s, "num_preemptions", 0)
+        )
 
 
 class GatewayMetrics:
@@ -39,17 +44,37 @@ class GatewayMetrics:
 
     def __init__(self, get_engine: Callable[[], Any]) -> None:
         self.registry = CollectorRegistry()
-        self.requests = Counter("kvgate_requests", "Finished API requests", ["tenant", "endpoint", "status"],
-                                registry=self.registry)
+        self.requests = Counter(
+            "kvgate_requests",
+            "Finished API requests",
+            ["tenant", "endpoint", "status"],
+            registry=self.registry,
+        )
         self.tokens = Counter("kvgate_tokens", "Tokens served", ["tenant", "kind"], registry=self.registry)
-        self.ttft = Histogram("kvgate_time_to_first_token_seconds", "Time to first token",
-                              buckets=_LATENCY_BUCKETS, registry=self.registry)
-        self.itl = Histogram("kvgate_inter_token_latency_seconds", "Mean time per output token",
-                             buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.ttft = Histogram(
+            "kvgate_time_to_first_token_seconds",
+            "Time to first token",
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.itl = Histogram(
+            "kvgate_inter_token_latency_seconds",
+            "Mean time per output token",
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
         self.registry.register(_EngineCollector(get_engine))
 
-    def observe_finished(self, tenant: str, endpoint: str, status: str, num_prompt: int, num_completion: int,
-                         ttft: float | None, itl: float | None) -> None:
+    def observe_finished(
+        self,
+        tenant: str,
+        endpoint: str,
+        status: str,
+        num_prompt: int,
+        num_completion: int,
+        ttft: float | None,
+        itl: float | None,
+    ) -> None:
         self.requests.labels(tenant, endpoint, status).inc()
         self.tokens.labels(tenant, "prompt").inc(num_prompt)
         self.tokens.labels(tenant, "completion").inc(num_completion)

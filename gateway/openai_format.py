@@ -23,10 +23,13 @@ SSE_DONE = b"data: [DONE]\n\n"
 
 
 def usage_dict(num_prompt: int, num_completion: int, num_cached: int) -> dict[str, Any]:
-    return {"prompt_tokens": num_prompt, "completion_tokens": num_completion,
-            "total_tokens": num_prompt + num_completion,
-            "prompt_tokens_details": {"cached_tokens": num_cached},
-            "completion_tokens_details": {"reasoning_tokens": 0}}
+    return {
+        "prompt_tokens": num_prompt,
+        "completion_tokens": num_completion,
+        "total_tokens": num_prompt + num_completion,
+        "prompt_tokens_details": {"cached_tokens": num_cached},
+        "completion_tokens_details": {"reasoning_tokens": 0},
+    }
 
 
 class TokenText:
@@ -45,9 +48,13 @@ def chat_logprobs(entries: list[Any] | None, text_of: TokenText) -> dict[str, An
     content = []
     for e in entries:
         token = text_of(e.token_id)
-        top = [{"token": text_of(t), "logprob": lp, "bytes": list(text_of(t).encode())}
-               for t, lp in e.top.items()]
-        content.append({"token": token, "logprob": e.logprob, "bytes": list(token.encode()), "top_logprobs": top})
+        top = [
+            {"token": text_of(t), "logprob": lp, "bytes": list(text_of(t).encode())}
+            for t, lp in e.top.items()
+        ]
+        content.append(
+            {"token": token, "logprob": e.logprob, "bytes": list(token.encode()), "top_logprobs": top}
+        )
     return {"content": content, "refusal": None}
 
 
@@ -68,31 +75,66 @@ def text_logprobs(entries: list[Any] | None, text_of: TokenText, offset: int = 0
 def _base(kind: str, request_id: str, created: int, model: str, *, chunk: bool) -> dict[str, Any]:
     if kind == "chat":
         obj = "chat.completion.chunk" if chunk else "chat.completion"
-        return {"id": f"chatcmpl-{request_id}", "object": obj, "created": created, "model": model,
-                "system_fingerprint": None}
-    return {"id": f"cmpl-{request_id}", "object": "text_completion", "created": created, "model": model,
-            "system_fingerprint": None}
+        return {
+            "id": f"chatcmpl-{request_id}",
+            "object": obj,
+            "created": created,
+            "model": model,
+            "system_fingerprint": None,
+        }
+    return {
+        "id": f"cmpl-{request_id}",
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "system_fingerprint": None,
+    }
 
 
-def full_response(kind: str, request_id: str, created: int, model: str, outputs: list[Any],
-                  usage: dict[str, Any], text_of: TokenText) -> dict[str, Any]:
+def full_response(
+    kind: str,
+    request_id: str,
+    created: int,
+    model: str,
+    outputs: list[Any],
+    usage: dict[str, Any],
+    text_of: TokenText,
+) -> dict[str, Any]:
     body = _base(kind, request_id, created, model, chunk=False)
     choices = []
     for o in outputs:
         if kind == "chat":
-            choices.append({"index": o.index, "message": {"role": "assistant", "content": o.text, "refusal": None},
-                            "logprobs": chat_logprobs(o.logprobs, text_of),
-                            "finish_reason": finish_reason(o.finish_reason)})
+            choices.append(
+                {
+                    "index": o.index,
+                    "message": {"role": "assistant", "content": o.text, "refusal": None},
+                    "logprobs": chat_logprobs(o.logprobs, text_of),
+                    "finish_reason": finish_reason(o.finish_reason),
+                }
+            )
         else:
-            choices.append({"index": o.index, "text": o.text, "logprobs": text_logprobs(o.logprobs, text_of),
-                            "finish_reason": finish_reason(o.finish_reason)})
+            choices.append(
+                {
+                    "index": o.index,
+                    "text": o.text,
+                    "logprobs": text_logprobs(o.logprobs, text_of),
+                    "finish_reason": finish_reason(o.finish_reason),
+                }
+            )
     body["choices"] = choices
     body["usage"] = usage
     return body
 
 
-def chunk(kind: str, request_id: str, created: int, model: str, choices: list[dict[str, Any]],
-          include_usage: bool, usage: dict[str, Any] | None = None) -> dict[str, Any]:
+def chunk(
+    kind: str,
+    request_id: str,
+    created: int,
+    model: str,
+    choices: list[dict[str, Any]],
+    include_usage: bool,
+    usage: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     body = _base(kind, request_id, created, model, chunk=True)
     body["choices"] = choices
     if include_usage:
@@ -100,19 +142,32 @@ def chunk(kind: str, request_id: str, created: int, model: str, choices: list[di
     return body
 
 
-def delta_choice(kind: str, output: Any, num_prev_tokens: int, text_of: TokenText,
-                 num_prev_chars: int) -> dict[str, Any]:
+def delta_choice(
+    kind: str, output: Any, num_prev_tokens: int, text_of: TokenText, num_prev_chars: int
+) -> dict[str, Any]:
     """One streamed choice: the new text (and its logprobs) since the previous chunk."""
     new_entries = None if output.logprobs is None else output.logprobs[num_prev_tokens:]
     reason = finish_reason(output.finish_reason)
     if kind == "chat":
         delta = {"content": output.new_text} if output.new_text or reason is None else {}
-        return {"index": output.index, "delta": delta, "logprobs": chat_logprobs(new_entries, text_of),
-                "finish_reason": reason}
-    return {"index": output.index, "text": output.new_text,
-            "logprobs": text_logprobs(new_entries, text_of, num_prev_chars), "finish_reason": reason}
+        return {
+            "index": output.index,
+            "delta": delta,
+            "logprobs": chat_logprobs(new_entries, text_of),
+            "finish_reason": reason,
+        }
+    return {
+        "index": output.index,
+        "text": output.new_text,
+        "logprobs": text_logprobs(new_entries, text_of, num_prev_chars),
+        "finish_reason": reason,
+    }
 
 
 def role_choice(index: int) -> dict[str, Any]:
-    return {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-            "finish_reason": None}
+    return {
+        "index": index,
+        "delta": {"role": "assistant", "content": ""},
+        "logprobs": None,
+        "finish_reason": None,
+    }

@@ -31,6 +31,7 @@ class Runtime:
     audit: AuditHook
     engine: Any = None
     owns_engine: bool = False
+    audit_store: Any = None
     db: AsyncEngine = field(init=False)
     sessionmaker: async_sessionmaker = field(init=False)
     hasher: Hasher = field(init=False)
@@ -45,7 +46,16 @@ class Runtime:
         self.quota = QuotaService(self.sessionmaker, self.db.dialect.name)
         self.metrics = GatewayMetrics(lambda: self.engine)
 
-    def start(self) -> None:
+    async def start(self, *, has_custom_sink: bool) -> None:
+        if self.settings.audit_enabled and not has_custom_sink:
+            from audit.sink import store_sink
+            from audit.store import AuditStore
+
+            self.audit_store = await AuditStore.open(self.settings.database_url, self.settings.data_dir)
+            self.audit.set_sink(store_sink(self.audit_store))
+        self._start_engine()
+
+    def _start_engine(self) -> None:
         if self.engine is None:
             from engine import AsyncLLMEngine
 
@@ -59,6 +69,9 @@ class Runtime:
         if self.owns_engine and self.engine is not None:
             self.engine.shutdown()
             self.engine = None
+        if self.audit_store is not None:
+            await self.audit_store.close()
+            self.audit_store = None
         await self.db.dispose()
 
     async def is_db_ready(self) -> bool:

@@ -35,6 +35,7 @@ class Settings(BaseSettings):
         max_model_len: Context limit override.
         max_body_bytes: Largest accepted request body.
         default_policy: Policy given to new tenants (JSON in ``KVGATE_DEFAULT_POLICY``).
+        audit_enabled: Chain audit events into the audit store (same database); off logs them instead.
         db_null_pool: Open a database connection per session instead of pooling (PgBouncer; tests).
         log_json: Emit JSON logs.
     """
@@ -57,6 +58,7 @@ class Settings(BaseSettings):
     max_body_bytes: int = 1_048_576
     default_policy: Policy = Field(default_factory=Policy)
     db_null_pool: bool = False
+    audit_enabled: bool = True
     log_json: bool = True
 
     @property
@@ -66,9 +68,15 @@ class Settings(BaseSettings):
     def engine_config(self) -> EngineConfig:
         from engine import EngineConfig
 
-        return EngineConfig(model=self.model, dtype=self.dtype, device=self.device,
-                            num_kv_blocks=self.num_kv_blocks, max_num_seqs=self.max_num_seqs,
-                            max_model_len=self.max_model_len, scheduling_policy="priority")
+        return EngineConfig(
+            model=self.model,
+            dtype=self.dtype,
+            device=self.device,
+            num_kv_blocks=self.num_kv_blocks,
+            max_num_seqs=self.max_num_seqs,
+            max_model_len=self.max_model_len,
+            scheduling_policy="priority",
+        )
 
 
 @lru_cache(maxsize=1)

@@ -4,5 +4,13 @@ from policies.decision import Decision, Violation
 from policies.evaluate import RequestContext, evaluate
 from policies.models import ALL_DETERMINISM, CacheScope, Determinism, Policy
 
-__all__ = ["ALL_DETERMINISM", "CacheScope", "Decision", "Determinism", "Policy", "RequestContext", "Violation",
-           "evaluate"]
+__all__ = [
+    "ALL_DETERMINISM",
+    "CacheScope",
+    "Decision",
+    "Determinism",
+    "Policy",
+    "RequestContext",
+    "Violation",
+    "evaluate",
+]

@@ -39,17 +39,26 @@ def _check_static(policy: Policy, ctx: RequestContext) -> Violation | None:
     if policy.allowed_models is not None and ctx.model not in policy.allowed_models:
         return Violation("model_not_allowed", "This key may not use the requested model.", "model", 403)
     if ctx.determinism is not None and ctx.determinism not in policy.allowed_determinism:
-        return Violation("determinism_not_allowed", "The requested determinism mode is not allowed.",
-                         "determinism")
+        return Violation(
+            "determinism_not_allowed", "The requested determinism mode is not allowed.", "determinism"
+        )
     if policy.max_prompt_tokens is not None and ctx.num_prompt_tokens > policy.max_prompt_tokens:
-        return Violation("context_length_exceeded",
-                         f"The prompt has {ctx.num_prompt_tokens} tokens; this tenant allows at most "
-                         f"{policy.max_prompt_tokens}.", "messages")
-    if (policy.max_output_tokens is not None and ctx.max_tokens is not None
-            and ctx.max_tokens > policy.max_output_tokens):
-        return Violation("max_tokens_exceeded",
-                         f"max_tokens is {ctx.max_tokens}; this tenant allows at most "
-                         f"{policy.max_output_tokens}.", "max_tokens")
+        return Violation(
+            "context_length_exceeded",
+            f"The prompt has {ctx.num_prompt_tokens} tokens; this tenant allows at most "
+            f"{policy.max_prompt_tokens}.",
+            "messages",
+        )
+    if (
+        policy.max_output_tokens is not None
+        and ctx.max_tokens is not None
+        and ctx.max_tokens > policy.max_output_tokens
+    ):
+        return Violation(
+            "max_tokens_exceeded",
+            f"max_tokens is {ctx.max_tokens}; this tenant allows at most {policy.max_output_tokens}.",
+            "max_tokens",
+        )
     return None
 
 
@@ -72,12 +81,16 @@ def evaluate(policy: Policy, ctx: RequestContext) -> Decision:
     if max_tokens is None:
         max_tokens = room if policy.max_output_tokens is None else min(room, policy.max_output_tokens)
     if room < 1 or max_tokens > room:
-        return Decision.refuse(Violation(
-            "context_length_exceeded",
-            f"This model's maximum context length is {limit} tokens. However, you requested "
-            f"{ctx.num_prompt_tokens + max(max_tokens, 1)} tokens ({ctx.num_prompt_tokens} in the messages, "
-            f"{max(max_tokens, 1)} in the completion). Please reduce the length of the messages or completion.",
-            "messages"))
+        return Decision.refuse(
+            Violation(
+                "context_length_exceeded",
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{ctx.num_prompt_tokens + max(max_tokens, 1)} tokens ({ctx.num_prompt_tokens} in the "
+                f"messages, {max(max_tokens, 1)} in the completion). Please reduce the length of the "
+                "messages or completion.",
+                "messages",
+            )
+        )
     return Decision(
         violation=None,
         max_tokens=max_tokens,

@@ -1,4 +1,4 @@
-"""The import graph goes one way: gateway -> {policies, audit, engine}, engine -> kernels; kernels -> torch/triton."""
+"""The import graph goes one way: gateway -> {policies, audit, engine} and engine -> kernels."""
 
 import ast
 import sys
@@ -20,8 +20,17 @@ CLI_EXTRA = {"bench"}
 # kernels may import only torch/triton (and the standard library)
 KERNELS_THIRD_PARTY = {"torch", "triton"}
 # the engine must not know about the web stack, the database or logging configuration
-ENGINE_FORBIDDEN = {"litestar", "sqlalchemy", "structlog", "pydantic", "pydantic_settings", "gateway", "audit",
-                    "policies", "uvicorn"}
+ENGINE_FORBIDDEN = {
+    "litestar",
+    "sqlalchemy",
+    "structlog",
+    "pydantic",
+    "pydantic_settings",
+    "gateway",
+    "audit",
+    "policies",
+    "uvicorn",
+}
 
 
 def _imports(path: Path) -> set[str]:
@@ -32,8 +41,13 @@ def _imports(path: Path) -> set[str]:
             out |= {a.name.split(".")[0] for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             out.add(node.module.split(".")[0])
-        elif (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "__import__" and node.args
-              and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
+        elif (
+            isinstance(node, ast.Call)
+            and getattr(node.func, "id", None) == "__import__"
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)
+        ):
             out.add(node.args[0].value.split(".")[0])
     return out
 

@@ -6,7 +6,6 @@ from sqlalchemy import inspect
 from gateway.storage import migrate
 from gateway.storage.db import make_db_engine
 from gateway.storage.models import Base
-
 from tests.gateway.conftest import db_url, pg_user  # noqa: F401  (fixtures)
 
 
@@ -47,11 +46,14 @@ def test_first_revision_is_0001_initial():
     assert len(script.get_heads()) == 1, "migrations must stay linear"
 
 
-@pytest.mark.parametrize("url,expected", [
-    ("postgresql://u@h/d", "postgresql+asyncpg://u@h/d"),
-    ("sqlite:////tmp/x.db", "sqlite+aiosqlite:////tmp/x.db"),
-    ("postgresql+asyncpg://u@h/d", "postgresql+asyncpg://u@h/d"),
-])
+@pytest.mark.parametrize(
+    "url,expected",
+    [
+        ("postgresql://u@h/d", "postgresql+asyncpg://u@h/d"),
+        ("sqlite:////tmp/x.db", "sqlite+aiosqlite:////tmp/x.db"),
+        ("postgresql+asyncpg://u@h/d", "postgresql+asyncpg://u@h/d"),
+    ],
+)
 def test_normalize_db_url(url, expected):
     from gateway.storage.db import normalize_db_url
 

@@ -15,8 +15,9 @@ from gateway.services import keys, tenants, usage
 from gateway.storage.db import make_db_engine, make_sessionmaker
 from policies import Policy
 
-admin_app = typer.Typer(help="Administer tenants, keys and policies directly in the database.",
-                        no_args_is_help=True)
+admin_app = typer.Typer(
+    help="Administer tenants, keys and policies directly in the database.", no_args_is_help=True
+)
 app.add_typer(admin_app, name="admin")
 
 
@@ -43,9 +44,13 @@ def _print(obj) -> None:  # type: ignore[no-untyped-def]
 
 
 @admin_app.command("bootstrap")
-def bootstrap(data_dir: DataDirOpt = None, db_url: DbUrlOpt = None,
-              force: Annotated[bool, typer.Option(help="Issue another token even if one exists.")] = False) -> None:
+def bootstrap(
+    data_dir: DataDirOpt = None,
+    db_url: DbUrlOpt = None,
+    force: Annotated[bool, typer.Option(help="Issue another token even if one exists.")] = False,
+) -> None:
     """Create the first admin token and print it once (refuses if one exists, unless --force)."""
+
     async def go(session, hasher, _settings):  # type: ignore[no-untyped-def]
         if not force and await keys.has_admin_tokens(session):
             return None
@@ -61,8 +66,11 @@ def bootstrap(data_dir: DataDirOpt = None, db_url: DbUrlOpt = None,
 @admin_app.command("create-tenant")
 def create_tenant(name: str, data_dir: DataDirOpt = None, db_url: DbUrlOpt = None) -> None:
     """Create a tenant with the default policy."""
-    _print(_with_session(data_dir, db_url, lambda s, h, st: tenants.create_tenant(s, name, st.default_policy,
-                                                                                   "cli")))
+    _print(
+        _with_session(
+            data_dir, db_url, lambda s, h, st: tenants.create_tenant(s, name, st.default_policy, "cli")
+        )
+    )
 
 
 @admin_app.command("list-tenants")
@@ -78,11 +86,19 @@ def disable_tenant(tenant_id: str, data_dir: DataDirOpt = None, db_url: DbUrlOpt
 
 
 @admin_app.command("create-key")
-def create_key(tenant_id: str, name: str = "", expires_in_seconds: int | None = None,
-               data_dir: DataDirOpt = None, db_url: DbUrlOpt = None) -> None:
+def create_key(
+    tenant_id: str,
+    name: str = "",
+    expires_in_seconds: int | None = None,
+    data_dir: DataDirOpt = None,
+    db_url: DbUrlOpt = None,
+) -> None:
     """Issue an API key for a tenant; the key is printed once."""
-    _print(_with_session(data_dir, db_url,
-                         lambda s, h, st: keys.create_key(s, h, tenant_id, name, expires_in_seconds)))
+    _print(
+        _with_session(
+            data_dir, db_url, lambda s, h, st: keys.create_key(s, h, tenant_id, name, expires_in_seconds)
+        )
+    )
 
 
 @admin_app.command("list-keys")
@@ -98,11 +114,19 @@ def revoke_key(tenant_id: str, key_id: str, data_dir: DataDirOpt = None, db_url:
 
 
 @admin_app.command("rotate-key")
-def rotate_key(tenant_id: str, key_id: str, overlap_seconds: int = 3600, data_dir: DataDirOpt = None,
-               db_url: DbUrlOpt = None) -> None:
+def rotate_key(
+    tenant_id: str,
+    key_id: str,
+    overlap_seconds: int = 3600,
+    data_dir: DataDirOpt = None,
+    db_url: DbUrlOpt = None,
+) -> None:
     """Issue a successor key; the old one works for --overlap-seconds more."""
-    _print(_with_session(data_dir, db_url,
-                         lambda s, h, st: keys.rotate_key(s, h, tenant_id, key_id, overlap_seconds)))
+    _print(
+        _with_session(
+            data_dir, db_url, lambda s, h, st: keys.rotate_key(s, h, tenant_id, key_id, overlap_seconds)
+        )
+    )
 
 
 @admin_app.command("get-policy")
@@ -112,19 +136,30 @@ def get_policy(tenant_id: str, data_dir: DataDirOpt = None, db_url: DbUrlOpt = N
 
 
 @admin_app.command("set-policy")
-def set_policy(tenant_id: str, policy_file: Path, comment: str = "", data_dir: DataDirOpt = None,
-               db_url: DbUrlOpt = None) -> None:
+def set_policy(
+    tenant_id: str, policy_file: Path, comment: str = "", data_dir: DataDirOpt = None, db_url: DbUrlOpt = None
+) -> None:
     """Validate POLICY_FILE (JSON) and store it as the tenant's next policy version."""
     policy = Policy.model_validate_json(policy_file.read_text())
-    _print(_with_session(data_dir, db_url,
-                         lambda s, h, st: tenants.put_policy(s, tenant_id, policy, "cli", comment)))
+    _print(
+        _with_session(
+            data_dir, db_url, lambda s, h, st: tenants.put_policy(s, tenant_id, policy, "cli", comment)
+        )
+    )
 
 
 @admin_app.command("usage")
-def usage_cmd(tenant_id: str, window: str = "day", csv: bool = False, data_dir: DataDirOpt = None,
-              db_url: DbUrlOpt = None) -> None:
+def usage_cmd(
+    tenant_id: str,
+    window: str = "day",
+    csv: bool = False,
+    data_dir: DataDirOpt = None,
+    db_url: DbUrlOpt = None,
+) -> None:
     """Print a tenant's usage per window (JSON, or CSV with --csv)."""
-    rows = _with_session(data_dir, db_url, lambda s, h, st: usage.usage_report(s, tenant_id, window, None, None))
+    rows = _with_session(
+        data_dir, db_url, lambda s, h, st: usage.usage_report(s, tenant_id, window, None, None)
+    )
     if csv:
         typer.echo(usage.to_csv(rows), nl=False)
     else:

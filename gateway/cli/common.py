@@ -14,7 +14,9 @@ from gateway.settings import Settings
 T = TypeVar("T")
 
 DataDirOpt = Annotated[Path | None, typer.Option("--data-dir", help="Data directory (KVGATE_DATA_DIR).")]
-DbUrlOpt = Annotated[str | None, typer.Option("--db-url", help="Database URL (KVGATE_DB_URL); default SQLite.")]
+DbUrlOpt = Annotated[
+    str | None, typer.Option("--db-url", help="Database URL (KVGATE_DB_URL); default SQLite.")
+]
 
 
 def build_settings(**flags: Any) -> Settings:

@@ -26,7 +26,9 @@ def _configure_logging(settings: Settings) -> None:
 def _tls_kwargs(settings: Settings) -> dict[str, str]:
     log = structlog.get_logger()
     if settings.insecure_http:
-        log.warning("serve.insecure_http", message="serving plain HTTP; use only behind a TLS-terminating proxy")
+        log.warning(
+            "serve.insecure_http", message="serving plain HTTP; use only behind a TLS-terminating proxy"
+        )
         return {}
     if settings.tls_cert and settings.tls_key:
         return {"ssl_certfile": str(settings.tls_cert), "ssl_keyfile": str(settings.tls_key)}
@@ -46,7 +48,9 @@ def serve(
     data_dir: DataDirOpt = None,
     db_url: DbUrlOpt = None,
     model: Annotated[str | None, typer.Option(help="Model dir or GGUF; default model if unset.")] = None,
-    insecure_http: Annotated[bool | None, typer.Option("--insecure-http", help="Plain HTTP (behind a proxy).")] = None,
+    insecure_http: Annotated[
+        bool | None, typer.Option("--insecure-http", help="Plain HTTP (behind a proxy).")
+    ] = None,
     tls_cert: Annotated[Path | None, typer.Option(help="Server certificate PEM.")] = None,
     tls_key: Annotated[Path | None, typer.Option(help="Server key PEM.")] = None,
     num_kv_blocks: Annotated[int | None, typer.Option(help="KV pool size in blocks.")] = None,
@@ -60,14 +64,33 @@ def serve(
     from gateway.app import create_app
     from gateway.storage import migrate
 
-    settings = build_settings(host=host, port=port, data_dir=data_dir, db_url=db_url, model=model,
-                              insecure_http=insecure_http, tls_cert=tls_cert, tls_key=tls_key,
-                              num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs, dtype=dtype, device=device)
+    settings = build_settings(
+        host=host,
+        port=port,
+        data_dir=data_dir,
+        db_url=db_url,
+        model=model,
+        insecure_http=insecure_http,
+        tls_cert=tls_cert,
+        tls_key=tls_key,
+        num_kv_blocks=num_kv_blocks,
+        max_num_seqs=max_num_seqs,
+        dtype=dtype,
+        device=device,
+    )
     _configure_logging(settings)
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     run(lambda: migrate.upgrade(settings.database_url))
     tls = _tls_kwargs(settings)
     scheme = "http" if settings.insecure_http else "https"
     typer.echo(f"kvgate serving on {scheme}://{settings.host}:{settings.port}", err=True)
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="warning",
-                access_log=False, lifespan="on", timeout_graceful_shutdown=5, **tls)
+    uvicorn.run(
+        create_app(settings),
+        host=settings.host,
+        port=settings.port,
+        log_level="warning",
+        access_log=False,
+        lifespan="on",
+        timeout_graceful_shutdown=5,
+        **tls,
+    )

@@ -10,10 +10,24 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from gateway.body import parse_body
 from gateway.guards import requires_admin
 from gateway.runtime import Runtime
-from gateway.schemas.admin import (KeyCreate, KeyCreated, KeyOut, KeyRotate, PolicyOut, PolicyPut, TenantCreate,
-                                   TenantOut, UsageRow)
+from gateway.schemas.admin import (
+    KeyCreate,
+    KeyCreated,
+    KeyOut,
+    KeyRotate,
+    PolicyOut,
+    PolicyPut,
+    TenantCreate,
+    TenantOut,
+    UsageRow,
+)
 from gateway.services import keys, tenants, usage
 from gateway.services.keys import Principal
+
+
+async def _audit(runtime: Runtime, name: str, **fields: object) -> None:
+    # Emitted after the change is committed, so a failing audit sink cannot un-do it: log, don't refuse.
+    await runtime.audit.emit(name, required=False, **fields)
 
 
 class AdminController(Controller):
@@ -21,13 +35,15 @@ class AdminController(Controller):
     guards = [requires_admin]
 
     @post("/tenants", status_code=201)
-    async def create_tenant(self, request: Request, session: AsyncSession, runtime: Runtime,
-                            principal: Principal) -> TenantOut:
+    async def create_tenant(
+        self, request: Request, session: AsyncSession, runtime: Runtime, principal: Principal
+    ) -> TenantOut:
         """Create a tenant with the settings' default policy (or the one given) as version 1."""
         body = parse_body(await request.body(), TenantCreate)
-        out = await tenants.create_tenant(session, body.name, body.policy or runtime.settings.default_policy,
-                                          principal.key_id)
-        await runtime.audit.emit("admin.tenant_created", actor=principal.key_id, tenant_id=out.id)
+        out = await tenants.create_tenant(
+            session, body.name, body.policy or runtime.settings.default_policy, principal.key_id
+        )
+        await _audit(runtime, "admin.tenant_created", actor=principal.key_id, tenant_id=out.id)
         return out
 
     @get("/tenants")
@@ -41,29 +57,33 @@ class AdminController(Controller):
         return await tenants.get_tenant(session, tenant_id)
 
     @post("/tenants/{tenant_id:str}/disable", status_code=200)
-    async def disable_tenant(self, session: AsyncSession, runtime: Runtime, principal: Principal,
-                             tenant_id: str) -> TenantOut:
+    async def disable_tenant(
+        self, session: AsyncSession, runtime: Runtime, principal: Principal, tenant_id: str
+    ) -> TenantOut:
         """Disable a tenant: its keys stop working on the next request."""
         out = await tenants.set_disabled(session, tenant_id, True)
-        await runtime.audit.emit("admin.tenant_disabled", actor=principal.key_id, tenant_id=tenant_id)
+        await _audit(runtime, "admin.tenant_disabled", actor=principal.key_id, tenant_id=tenant_id)
         return out
 
     @post("/tenants/{tenant_id:str}/enable", status_code=200)
-    async def enable_tenant(self, session: AsyncSession, runtime: Runtime, principal: Principal,
-                            tenant_id: str) -> TenantOut:
+    async def enable_tenant(
+        self, session: AsyncSession, runtime: Runtime, principal: Principal, tenant_id: str
+    ) -> TenantOut:
         """Re-enable a disabled tenant."""
         out = await tenants.set_disabled(session, tenant_id, False)
-        await runtime.audit.emit("admin.tenant_enabled", actor=principal.key_id, tenant_id=tenant_id)
+        await _audit(runtime, "admin.tenant_enabled", actor=principal.key_id, tenant_id=tenant_id)
         return out
 
     @post("/tenants/{tenant_id:str}/keys", status_code=201)
-    async def create_key(self, request: Request, session: AsyncSession, runtime: Runtime,
-                         principal: Principal, tenant_id: str) -> KeyCreated:
+    async def create_key(
+        self, request: Request, session: AsyncSession, runtime: Runtime, principal: Principal, tenant_id: str
+    ) -> KeyCreated:
         """Issue an API key; the full key is in this response only."""
         body = parse_body(await request.body() or b"{}", KeyCreate)
         out = await keys.create_key(session, runtime.hasher, tenant_id, body.name, body.expires_in_seconds)
-        await runtime.audit.emit("admin.key_created", actor=principal.key_id, tenant_id=tenant_id,
-                                 key_id=out.info.id)
+        await _audit(
+            runtime, "admin.key_created", actor=principal.key_id, tenant_id=tenant_id, key_id=out.info.id
+        )
         return out
 
     @get("/tenants/{tenant_id:str}/keys")
@@ -72,21 +92,35 @@ class AdminController(Controller):
         return await keys.list_keys(session, tenant_id)
 
     @post("/tenants/{tenant_id:str}/keys/{key_id:str}/revoke", status_code=200)
-    async def revoke_key(self, session: AsyncSession, runtime: Runtime, principal: Principal, tenant_id: str,
-                         key_id: str) -> KeyOut:
+    async def revoke_key(
+        self, session: AsyncSession, runtime: Runtime, principal: Principal, tenant_id: str, key_id: str
+    ) -> KeyOut:
         """Revoke a key, effective on its next request."""
         out = await keys.revoke_key(session, tenant_id, key_id)
-        await runtime.audit.emit("admin.key_revoked", actor=principal.key_id, tenant_id=tenant_id, key_id=key_id)
+        await _audit(runtime, "admin.key_revoked", actor=principal.key_id, tenant_id=tenant_id, key_id=key_id)
         return out
 
     @post("/tenants/{tenant_id:str}/keys/{key_id:str}/rotate", status_code=201)
-    async def rotate_key(self, request: Request, session: AsyncSession, runtime: Runtime, principal: Principal,
-                         tenant_id: str, key_id: str) -> KeyCreated:
+    async def rotate_key(
+        self,
+        request: Request,
+        session: AsyncSession,
+        runtime: Runtime,
+        principal: Principal,
+        tenant_id: str,
+        key_id: str,
+    ) -> KeyCreated:
         """Issue a successor key; the old one keeps working for ``overlap_seconds``."""
         body = parse_body(await request.body() or b"{}", KeyRotate)
         out = await keys.rotate_key(session, runtime.hasher, tenant_id, key_id, body.overlap_seconds)
-        await runtime.audit.emit("admin.key_rotated", actor=principal.key_id, tenant_id=tenant_id,
-                                 key_id=key_id, new_key_id=out.info.id)
+        await _audit(
+            runtime,
+            "admin.key_rotated",
+            actor=principal.key_id,
+            tenant_id=tenant_id,
+            key_id=key_id,
+            new_key_id=out.info.id,
+        )
         return out
 
     @get("/tenants/{tenant_id:str}/policy")
@@ -100,20 +134,29 @@ class AdminController(Controller):
         return await tenants.policy_history(session, tenant_id)
 
     @put("/tenants/{tenant_id:str}/policy")
-    async def put_policy(self, request: Request, session: AsyncSession, runtime: Runtime,
-                         principal: Principal, tenant_id: str) -> PolicyOut:
+    async def put_policy(
+        self, request: Request, session: AsyncSession, runtime: Runtime, principal: Principal, tenant_id: str
+    ) -> PolicyOut:
         """Validate and store a new policy version (409 if ``expected_version`` is stale)."""
         body = parse_body(await request.body(), PolicyPut)
-        out = await tenants.put_policy(session, tenant_id, body.policy, principal.key_id, body.comment,
-                                       body.expected_version)
-        await runtime.audit.emit("admin.policy_changed", actor=principal.key_id, tenant_id=tenant_id,
-                                 version=out.version)
+        out = await tenants.put_policy(
+            session, tenant_id, body.policy, principal.key_id, body.comment, body.expected_version
+        )
+        await _audit(
+            runtime, "admin.policy_changed", actor=principal.key_id, tenant_id=tenant_id, version=out.version
+        )
         return out
 
     @get("/tenants/{tenant_id:str}/usage")
-    async def get_usage(self, session: AsyncSession, tenant_id: str, window: str = "day",
-                        start: datetime | None = None, end: datetime | None = None,
-                        format: str = "json") -> Response:
+    async def get_usage(
+        self,
+        session: AsyncSession,
+        tenant_id: str,
+        window: str = "day",
+        start: datetime | None = None,
+        end: datetime | None = None,
+        format: str = "json",
+    ) -> Response:
         """Settled usage per window; ``format=csv`` returns CSV."""
         rows: list[UsageRow] = await usage.usage_report(session, tenant_id, window, start, end)
         if format == "csv":

@@ -26,8 +26,10 @@ async def readyz(runtime: Runtime) -> Response[dict]:
         200 with both checks true, else 503.
     """
     checks = {"model": runtime.engine is not None, "database": await runtime.is_db_ready()}
-    return Response({"status": "ok" if all(checks.values()) else "unavailable", "checks": checks},
-                    status_code=200 if all(checks.values()) else 503)
+    return Response(
+        {"status": "ok" if all(checks.values()) else "unavailable", "checks": checks},
+        status_code=200 if all(checks.values()) else 503,
+    )
 
 
 @get("/metrics", guards=[requires_admin], sync_to_thread=False)

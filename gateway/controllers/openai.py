@@ -20,8 +20,9 @@ class OpenAIController(Controller):
     guards = [requires_tenant]
 
     @post("/chat/completions", status_code=200)
-    async def chat_completions(self, request: Request, runtime: Runtime,
-                               principal: Principal) -> Response[Any] | Stream:
+    async def chat_completions(
+        self, request: Request, runtime: Runtime, principal: Principal
+    ) -> Response[Any] | Stream:
         """Create a chat completion (``stream: true`` for server-sent events).
 
         Returns:
@@ -36,8 +37,9 @@ class OpenAIController(Controller):
         return await completions.handle(runtime, principal, body, "chat")
 
     @post("/completions", status_code=200)
-    async def text_completions(self, request: Request, runtime: Runtime,
-                               principal: Principal) -> Response[Any] | Stream:
+    async def text_completions(
+        self, request: Request, runtime: Runtime, principal: Principal
+    ) -> Response[Any] | Stream:
         """Create a text completion (legacy endpoint; ``stream: true`` for SSE).
 
         Returns:
@@ -58,8 +60,12 @@ class OpenAIController(Controller):
         Returns:
             An OpenAI ``list`` of ``model`` objects.
         """
-        return {"object": "list", "data": [{"id": runtime.engine.model_name, "object": "model", "created": 0,
-                                            "owned_by": "kvgate"}]}
+        return {
+            "object": "list",
+            "data": [
+                {"id": runtime.engine.model_name, "object": "model", "created": 0, "owned_by": "kvgate"}
+            ],
+        }
 
     @get("/models/{model_id:path}", sync_to_thread=False)
     def get_model(self, runtime: Runtime, model_id: str) -> dict[str, Any]:

@@ -7,10 +7,10 @@ from typing import Any
 
 import anyio
 import structlog
-from engine.errors import InvalidRequestError
 from litestar import Response
 from litestar.response import Stream
 
+from engine.errors import InvalidRequestError
 from gateway import openai_format as fmt
 from gateway.errors import ClientError, InvalidRequest, ServiceUnavailable
 from gateway.runtime import Runtime
@@ -47,22 +47,43 @@ async def _finish(rt: Runtime, adm: Admission, progress: _Progress) -> None:
         try:
             await rt.quota.settle(adm.reservation, num_prompt, num_completion, num_cached)
         except Exception as e:  # noqa: BLE001
-            log.error("quota.settle_failed", request_id=adm.request_id, error_type=type(e).__name__, exc_info=e)
+            log.error(
+                "quota.settle_failed", request_id=adm.request_id, error_type=type(e).__name__, exc_info=e
+            )
         last = progress.last
         reasons = [] if last is None else [o.finish_reason for o in last.outputs]
         m = None if last is None else last.metrics
-        rt.metrics.observe_finished(adm.principal.tenant_id or "", adm.kind, "ok" if progress.is_done else "aborted",
-                                    num_prompt, num_completion, getattr(m, "time_to_first_token", None),
-                                    getattr(m, "mean_time_per_output_token", None))
-        await rt.audit.emit("request.finished", request_id=adm.request_id, tenant_id=adm.principal.tenant_id,
-                            key_id=adm.principal.key_id, finish_reasons=reasons, num_prompt_tokens=num_prompt,
-                            num_completion_tokens=num_completion, num_cached_tokens=num_cached,
-                            is_aborted=not progress.is_done)
+        rt.metrics.observe_finished(
+            adm.principal.tenant_id or "",
+            adm.kind,
+            "ok" if progress.is_done else "aborted",
+            num_prompt,
+            num_completion,
+            getattr(m, "time_to_first_token", None),
+            getattr(m, "mean_time_per_output_token", None),
+        )
+        await rt.audit.emit(
+            "request.finished",
+            required=False,
+            request_id=adm.request_id,
+            tenant_id=adm.principal.tenant_id,
+            key_id=adm.principal.key_id,
+            finish_reasons=reasons,
+            num_prompt_tokens=num_prompt,
+            num_completion_tokens=num_completion,
+            num_cached_tokens=num_cached,
+            is_aborted=not progress.is_done,
+        )
 
 
 def _start(rt: Runtime, adm: Admission) -> AsyncIterator[Any]:
-    return rt.engine.generate(adm.prompt_token_ids, adm.params, adm.request_id,
-                              cache_namespace=adm.cache_namespace, priority=adm.priority)
+    return rt.engine.generate(
+        adm.prompt_token_ids,
+        adm.params,
+        adm.request_id,
+        cache_namespace=adm.cache_namespace,
+        priority=adm.priority,
+    )
 
 
 async def _first(rt: Runtime, adm: Admission, progress: _Progress) -> tuple[AsyncIterator[Any], Any]:
@@ -91,12 +112,14 @@ async def _run_whole(rt: Runtime, adm: Admission) -> dict[str, Any]:
         await _finish(rt, adm, progress)
     last = progress.last
     usage = fmt.usage_dict(*progress.usage(adm))
-    return fmt.full_response(adm.kind, adm.request_id, adm.created, adm.model, last.outputs, usage,
-                             rt.token_text)
+    return fmt.full_response(
+        adm.kind, adm.request_id, adm.created, adm.model, last.outputs, usage, rt.token_text
+    )
 
 
-def _chunks(adm: Admission, out: Any, progress: _Progress, include_usage: bool,
-            text_of: fmt.TokenText) -> list[bytes]:
+def _chunks(
+    adm: Admission, out: Any, progress: _Progress, include_usage: bool, text_of: fmt.TokenText
+) -> list[bytes]:
     choices = []
     for o in out.outputs:
         if not o.new_token_ids and not o.new_text and o.finish_reason is None:
@@ -110,8 +133,9 @@ def _chunks(adm: Admission, out: Any, progress: _Progress, include_usage: bool,
     return [fmt.sse(fmt.chunk(adm.kind, adm.request_id, adm.created, adm.model, choices, include_usage))]
 
 
-async def _stream(rt: Runtime, adm: Admission, gen: AsyncIterator[Any], first: Any, progress: _Progress,
-                  include_usage: bool) -> AsyncIterator[bytes]:
+async def _stream(
+    rt: Runtime, adm: Admission, gen: AsyncIterator[Any], first: Any, progress: _Progress, include_usage: bool
+) -> AsyncIterator[bytes]:
     try:
         if adm.kind == "chat":
             roles = [fmt.role_choice(i) for i in range(adm.params.n)]
@@ -130,25 +154,41 @@ async def _stream(rt: Runtime, adm: Admission, gen: AsyncIterator[Any], first: A
             yield fmt.sse(fmt.chunk(adm.kind, adm.request_id, adm.created, adm.model, [], True, usage))
         yield fmt.SSE_DONE
     except RuntimeError as e:  # the engine died mid-stream: tell the client in-band
-        yield fmt.sse({"error": {"message": f"The engine failed: {e}", "type": "server_error",
-                                 "param": None, "code": "engine_error"}})
+        yield fmt.sse(
+            {
+                "error": {
+                    "message": f"The engine failed: {e}",
+                    "type": "server_error",
+                    "param": None,
+                    "code": "engine_error",
+                }
+            }
+        )
     finally:
         await _finish(rt, adm, progress)
 
 
-async def _admit_audited(rt: Runtime, principal: Principal, req: ChatCompletionRequest | CompletionRequest,
-                         kind: str) -> Admission:
+async def _admit_audited(
+    rt: Runtime, principal: Principal, req: ChatCompletionRequest | CompletionRequest, kind: str
+) -> Admission:
     try:
         return await admit(rt, principal, req, kind)
     except ClientError as e:
-        await rt.audit.emit("request.rejected", tenant_id=principal.tenant_id, key_id=principal.key_id,
-                            code=e.code, status=e.status_code)
+        await rt.audit.emit(
+            "request.rejected",
+            required=False,
+            tenant_id=principal.tenant_id,
+            key_id=principal.key_id,
+            code=e.code,
+            status=e.status_code,
+        )
         rt.metrics.requests.labels(principal.tenant_id or "", kind, str(e.status_code)).inc()
         raise
 
 
-async def handle(rt: Runtime, principal: Principal, req: ChatCompletionRequest | CompletionRequest,
-                 kind: str) -> Response[Any] | Stream:
+async def handle(
+    rt: Runtime, principal: Principal, req: ChatCompletionRequest | CompletionRequest, kind: str
+) -> Response[Any] | Stream:
     """Admit, run and answer one completion request (``kind`` is ``chat`` or ``text``)."""
     adm = await _admit_audited(rt, principal, req, kind)
     if not req.stream:
@@ -160,5 +200,8 @@ async def handle(rt: Runtime, principal: Principal, req: ChatCompletionRequest |
         await _finish(rt, adm, progress)
         raise
     headers = adm.headers | {"cache-control": "no-cache", "x-accel-buffering": "no"}
-    return Stream(_stream(rt, adm, gen, first, progress, req.include_usage), media_type="text/event-stream",
-                  headers=headers)
+    return Stream(
+        _stream(rt, adm, gen, first, progress, req.include_usage),
+        media_type="text/event-stream",
+        headers=headers,
+    )

@@ -32,18 +32,32 @@ class Principal:
 
 
 def key_to_schema(k: ApiKey) -> KeyOut:
-    return KeyOut(id=k.id, tenant_id=k.tenant_id, name=k.name, created_at=as_utc(k.created_at),
-                  expires_at=as_utc(k.expires_at), revoked_at=as_utc(k.revoked_at), rotated_to=k.rotated_to)
+    return KeyOut(
+        id=k.id,
+        tenant_id=k.tenant_id,
+        name=k.name,
+        created_at=as_utc(k.created_at),
+        expires_at=as_utc(k.expires_at),
+        revoked_at=as_utc(k.revoked_at),
+        rotated_to=k.rotated_to,
+    )
 
 
-async def create_key(session: AsyncSession, hasher: Hasher, tenant_id: str, name: str,
-                     expires_in_seconds: int | None) -> KeyCreated:
+async def create_key(
+    session: AsyncSession, hasher: Hasher, tenant_id: str, name: str, expires_in_seconds: int | None
+) -> KeyCreated:
     await get_tenant_row(session, tenant_id)
     key_id, secret, token = new_token(TENANT_PREFIX)
     now = utcnow()
     expires = now + timedelta(seconds=expires_in_seconds) if expires_in_seconds else None
-    row = ApiKey(id=key_id, tenant_id=tenant_id, name=name, secret_hash=hasher.hash(key_id, secret),
-                 created_at=now, expires_at=expires)
+    row = ApiKey(
+        id=key_id,
+        tenant_id=tenant_id,
+        name=name,
+        secret_hash=hasher.hash(key_id, secret),
+        created_at=now,
+        expires_at=expires,
+    )
     session.add(row)
     await session.commit()
     return KeyCreated(key=token, info=key_to_schema(row))
@@ -58,8 +72,9 @@ async def _get_key(session: AsyncSession, tenant_id: str, key_id: str) -> ApiKey
 
 async def list_keys(session: AsyncSession, tenant_id: str) -> list[KeyOut]:
     await get_tenant_row(session, tenant_id)
-    rows = await session.scalars(select(ApiKey).where(ApiKey.tenant_id == tenant_id)
-                                 .order_by(ApiKey.created_at, ApiKey.id))
+    rows = await session.scalars(
+        select(ApiKey).where(ApiKey.tenant_id == tenant_id).order_by(ApiKey.created_at, ApiKey.id)
+    )
     return [key_to_schema(k) for k in rows]
 
 
@@ -71,8 +86,9 @@ async def revoke_key(session: AsyncSession, tenant_id: str, key_id: str) -> KeyO
     return key_to_schema(row)
 
 
-async def rotate_key(session: AsyncSession, hasher: Hasher, tenant_id: str, key_id: str,
-                     overlap_seconds: int) -> KeyCreated:
+async def rotate_key(
+    session: AsyncSession, hasher: Hasher, tenant_id: str, key_id: str, overlap_seconds: int
+) -> KeyCreated:
     """Issue a successor key; the old one keeps working for ``overlap_seconds`` and then expires."""
     old = await _get_key(session, tenant_id, key_id)
     if old.revoked_at is not None:
@@ -88,7 +104,9 @@ async def rotate_key(session: AsyncSession, hasher: Hasher, tenant_id: str, key_
 
 async def create_admin_token(session: AsyncSession, hasher: Hasher, name: str) -> str:
     key_id, secret, token = new_token(ADMIN_PREFIX)
-    session.add(AdminToken(id=key_id, name=name, secret_hash=hasher.hash(key_id, secret), created_at=utcnow()))
+    session.add(
+        AdminToken(id=key_id, name=name, secret_hash=hasher.hash(key_id, secret), created_at=utcnow())
+    )
     await session.commit()
     return token
 

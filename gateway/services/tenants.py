@@ -20,20 +20,36 @@ def tenant_to_schema(t: Tenant) -> TenantOut:
 
 
 def policy_to_schema(p: PolicyVersion) -> PolicyOut:
-    return PolicyOut(tenant_id=p.tenant_id, version=p.version, policy=Policy.model_validate_json(p.body),
-                     changed_by=p.changed_by, comment=p.comment, created_at=as_utc(p.created_at))
+    return PolicyOut(
+        tenant_id=p.tenant_id,
+        version=p.version,
+        policy=Policy.model_validate_json(p.body),
+        changed_by=p.changed_by,
+        comment=p.comment,
+        created_at=as_utc(p.created_at),
+    )
 
 
 async def create_tenant(session: AsyncSession, name: str, policy: Policy, changed_by: str) -> TenantOut:
-    tenant = Tenant(id=secrets.token_hex(8), name=name, is_disabled=False, num_in_flight=0, created_at=utcnow())
+    tenant = Tenant(
+        id=secrets.token_hex(8), name=name, is_disabled=False, num_in_flight=0, created_at=utcnow()
+    )
     session.add(tenant)
     try:
         await session.flush()
     except IntegrityError as e:
         await session.rollback()
         raise Conflict(f"A tenant named {name!r} already exists.", code="tenant_exists") from e
-    session.add(PolicyVersion(tenant_id=tenant.id, version=1, body=policy.model_dump_json(),
-                              changed_by=changed_by, comment="initial", created_at=utcnow()))
+    session.add(
+        PolicyVersion(
+            tenant_id=tenant.id,
+            version=1,
+            body=policy.model_dump_json(),
+            changed_by=changed_by,
+            comment="initial",
+            created_at=utcnow(),
+        )
+    )
     await session.commit()
     return tenant_to_schema(tenant)
 
@@ -62,8 +78,12 @@ async def set_disabled(session: AsyncSession, tenant_id: str, is_disabled: bool)
 
 
 async def _current_row(session: AsyncSession, tenant_id: str) -> PolicyVersion | None:
-    stmt = (select(PolicyVersion).where(PolicyVersion.tenant_id == tenant_id)
-            .order_by(PolicyVersion.version.desc()).limit(1))
+    stmt = (
+        select(PolicyVersion)
+        .where(PolicyVersion.tenant_id == tenant_id)
+        .order_by(PolicyVersion.version.desc())
+        .limit(1)
+    )
     return (await session.scalars(stmt)).first()
 
 
@@ -82,21 +102,38 @@ async def current_policy(session: AsyncSession, tenant_id: str, default: Policy)
 
 async def policy_history(session: AsyncSession, tenant_id: str) -> list[PolicyOut]:
     await get_tenant_row(session, tenant_id)
-    rows = await session.scalars(select(PolicyVersion).where(PolicyVersion.tenant_id == tenant_id)
-                                 .order_by(PolicyVersion.version))
+    rows = await session.scalars(
+        select(PolicyVersion).where(PolicyVersion.tenant_id == tenant_id).order_by(PolicyVersion.version)
+    )
     return [policy_to_schema(r) for r in rows]
 
 
-async def put_policy(session: AsyncSession, tenant_id: str, policy: Policy, changed_by: str, comment: str,
-                     expected_version: int | None = None) -> PolicyOut:
+async def put_policy(
+    session: AsyncSession,
+    tenant_id: str,
+    policy: Policy,
+    changed_by: str,
+    comment: str,
+    expected_version: int | None = None,
+) -> PolicyOut:
     """Append a new policy version; the (tenant, version) unique constraint makes racing writers conflict."""
     await get_tenant_row(session, tenant_id)
-    latest = await session.scalar(select(func.max(PolicyVersion.version))
-                                  .where(PolicyVersion.tenant_id == tenant_id)) or 0
+    latest = (
+        await session.scalar(
+            select(func.max(PolicyVersion.version)).where(PolicyVersion.tenant_id == tenant_id)
+        )
+        or 0
+    )
     if expected_version is not None and expected_version != latest:
         raise Conflict(f"Policy is at version {latest}, not {expected_version}.", code="version_conflict")
-    row = PolicyVersion(tenant_id=tenant_id, version=latest + 1, body=policy.model_dump_json(),
-                        changed_by=changed_by, comment=comment, created_at=utcnow())
+    row = PolicyVersion(
+        tenant_id=tenant_id,
+        version=latest + 1,
+        body=policy.model_dump_json(),
+        changed_by=changed_by,
+        comment=comment,
+        created_at=utcnow(),
+    )
     session.add(row)
     try:
         await session.commit()

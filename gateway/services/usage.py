@@ -17,8 +17,9 @@ from gateway.storage.models import UsageCounter
 REPORT_WINDOWS = ("minute", "day", "month")
 
 
-async def usage_report(session: AsyncSession, tenant_id: str, window: str, start: datetime | None,
-                       end: datetime | None) -> list[UsageRow]:
+async def usage_report(
+    session: AsyncSession, tenant_id: str, window: str, start: datetime | None, end: datetime | None
+) -> list[UsageRow]:
     """Settled usage of one tenant per ``window``, for windows starting in ``[start, end)``."""
     if window not in REPORT_WINDOWS:
         raise InvalidRequest(f"window must be one of {', '.join(REPORT_WINDOWS)}.", param="window")
@@ -29,11 +30,19 @@ async def usage_report(session: AsyncSession, tenant_id: str, window: str, start
     if end is not None:
         stmt = stmt.where(UsageCounter.window_start < int(end.timestamp()))
     rows = await session.scalars(stmt.order_by(UsageCounter.window_start))
-    return [UsageRow(tenant_id=r.tenant_id, window=r.window,
-                     window_start=datetime.fromtimestamp(r.window_start, UTC), num_requests=r.num_requests,
-                     prompt_tokens=r.num_prompt_tokens, completion_tokens=r.num_completion_tokens,
-                     cached_tokens=r.num_cached_tokens,
-                     total_tokens=r.num_prompt_tokens + r.num_completion_tokens) for r in rows]
+    return [
+        UsageRow(
+            tenant_id=r.tenant_id,
+            window=r.window,
+            window_start=datetime.fromtimestamp(r.window_start, UTC),
+            num_requests=r.num_requests,
+            prompt_tokens=r.num_prompt_tokens,
+            completion_tokens=r.num_completion_tokens,
+            cached_tokens=r.num_cached_tokens,
+            total_tokens=r.num_prompt_tokens + r.num_completion_tokens,
+        )
+        for r in rows
+    ]
 
 
 def to_csv(rows: list[UsageRow]) -> str:

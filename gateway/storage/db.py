@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from sqlalchemy import event
-from sqlalchemy.pool import NullPool
 from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker, create_async_engine
+from sqlalchemy.pool import NullPool
 
 
 def default_db_url(data_dir: Path) -> str:

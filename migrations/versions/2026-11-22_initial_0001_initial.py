@@ -19,6 +19,11 @@ _TS = sa.DateTime(timezone=True)
 
 
 def upgrade() -> None:
+    _create_tenants_and_keys()
+    _create_policies_usage_and_admin()
+
+
+def _create_tenants_and_keys() -> None:
     op.create_table(
         "tenants",
         sa.Column("id", sa.String(32), primary_key=True),
@@ -30,7 +35,9 @@ def upgrade() -> None:
     op.create_table(
         "api_keys",
         sa.Column("id", sa.String(32), primary_key=True),
-        sa.Column("tenant_id", sa.String(32), sa.ForeignKey("tenants.id", ondelete="CASCADE"), nullable=False),
+        sa.Column(
+            "tenant_id", sa.String(32), sa.ForeignKey("tenants.id", ondelete="CASCADE"), nullable=False
+        ),
         sa.Column("name", sa.String(128), nullable=False, server_default=""),
         sa.Column("secret_hash", sa.String(64), nullable=False),
         sa.Column("created_at", _TS, nullable=False),
@@ -39,10 +46,15 @@ def upgrade() -> None:
         sa.Column("rotated_to", sa.String(32), nullable=True),
     )
     op.create_index("ix_api_keys_tenant_id", "api_keys", ["tenant_id"])
+
+
+def _create_policies_usage_and_admin() -> None:
     op.create_table(
         "policies",
         sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
-        sa.Column("tenant_id", sa.String(32), sa.ForeignKey("tenants.id", ondelete="CASCADE"), nullable=False),
+        sa.Column(
+            "tenant_id", sa.String(32), sa.ForeignKey("tenants.id", ondelete="CASCADE"), nullable=False
+        ),
         sa.Column("version", sa.Integer, nullable=False),
         sa.Column("body", sa.Text, nullable=False),
         sa.Column("changed_by", sa.String(64), nullable=False),
@@ -53,7 +65,9 @@ def upgrade() -> None:
     op.create_index("ix_policies_tenant_id", "policies", ["tenant_id"])
     op.create_table(
         "usage_counters",
-        sa.Column("tenant_id", sa.String(32), sa.ForeignKey("tenants.id", ondelete="CASCADE"), primary_key=True),
+        sa.Column(
+            "tenant_id", sa.String(32), sa.ForeignKey("tenants.id", ondelete="CASCADE"), primary_key=True
+        ),
         sa.Column("window", sa.String(8), primary_key=True),
         sa.Column("window_start", sa.BigInteger, primary_key=True),
         sa.Column("num_requests", sa.BigInteger, nullable=False, server_default="0"),

@@ -48,8 +48,9 @@ def _pg_user() -> str | None:
     async def probe() -> str | None:
         for user in PG_USERS:
             try:
-                conn = await asyncpg.connect(host=PG_HOST, port=PG_PORT, user=user, database="postgres",
-                                             timeout=3)
+                conn = await asyncpg.connect(
+                    host=PG_HOST, port=PG_PORT, user=user, database="postgres", timeout=3
+                )
             except Exception:  # noqa: BLE001
                 continue
             await conn.close()
@@ -130,8 +131,15 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def llm(tiny_model_dir: Path):  # type: ignore[no-untyped-def]
     from engine import AsyncLLMEngine, EngineConfig
 
-    engine = AsyncLLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=256,
-                                         max_num_seqs=16, scheduling_policy="priority"))
+    engine = AsyncLLMEngine(
+        EngineConfig(
+            model=str(tiny_model_dir),
+            dtype="float32",
+            num_kv_blocks=256,
+            max_num_seqs=16,
+            scheduling_policy="priority",
+        )
+    )
     engine.start()
     yield engine
     engine.shutdown()
@@ -156,7 +164,9 @@ class Gateway:
         """Create a tenant (+ policy) and one key directly through the services; returns (tenant_id, key)."""
         rt = self.runtime
         async with rt.sessionmaker() as s:
-            t = await tenants.create_tenant(s, name or f"t-{secrets.token_hex(4)}", policy or Policy(), "test")
+            t = await tenants.create_tenant(
+                s, name or f"t-{secrets.token_hex(4)}", policy or Policy(), "test"
+            )
         async with rt.sessionmaker() as s:
             created = await keys.create_key(s, rt.hasher, t.id, "k", None)
         return t.id, created.key
@@ -166,9 +176,9 @@ def make_settings(tmp_path: Path, db_url: str, **overrides: object) -> Settings:
     return Settings(data_dir=tmp_path, db_url=db_url, insecure_http=True, db_null_pool=True, **overrides)
 
 
-
-
-async def open_gateway(tmp_path: Path, db_url: str, llm: object, **overrides: object) -> AsyncIterator[Gateway]:
+async def open_gateway(
+    tmp_path: Path, db_url: str, llm: object, **overrides: object
+) -> AsyncIterator[Gateway]:
     settings = make_settings(tmp_path, db_url, **overrides)
     app = create_app(settings, engine=llm)
     async with AsyncTestClient(app, timeout=60) as client:

@@ -30,7 +30,9 @@ async def test_tenant_crud(agw):
 async def test_keys_lifecycle(agw):
     c, h = agw.client, agw.admin()
     tid = (await c.post("/admin/v1/tenants", headers=h, json={"name": "k"})).json()["id"]
-    r = await c.post(f"/admin/v1/tenants/{tid}/keys", headers=h, json={"name": "ci", "expires_in_seconds": 60})
+    r = await c.post(
+        f"/admin/v1/tenants/{tid}/keys", headers=h, json={"name": "ci", "expires_in_seconds": 60}
+    )
     assert r.status_code == 201
     key, info = r.json()["key"], r.json()["info"]
     assert key.startswith(f"kvg_{info['id']}_") and info["expires_at"]
@@ -47,14 +49,20 @@ async def test_policy_versioning(agw):
     p1 = (await c.get(f"/admin/v1/tenants/{tid}/policy", headers=h)).json()
     assert p1["version"] == 1 and p1["policy"]["prefix_cache_scope"] == "tenant"
     new = {"tokens_per_minute": 1000, "prefix_cache_scope": "key", "allowed_determinism": ["fast", "fixed"]}
-    r = await c.put(f"/admin/v1/tenants/{tid}/policy", headers=h,
-                    json={"policy": new, "comment": "tighten", "expected_version": 1})
+    r = await c.put(
+        f"/admin/v1/tenants/{tid}/policy",
+        headers=h,
+        json={"policy": new, "comment": "tighten", "expected_version": 1},
+    )
     assert r.status_code == 200, r.text
     assert r.json()["version"] == 2 and r.json()["changed_by"] == agw.admin_token.split("_")[1]
     r = await c.put(f"/admin/v1/tenants/{tid}/policy", headers=h, json={"policy": new, "expected_version": 1})
     assert r.status_code == 409
-    r = await c.put(f"/admin/v1/tenants/{tid}/policy", headers=h,
-                    json={"policy": {"default_determinism": "fixed", "allowed_determinism": ["fast"]}})
+    r = await c.put(
+        f"/admin/v1/tenants/{tid}/policy",
+        headers=h,
+        json={"policy": {"default_determinism": "fixed", "allowed_determinism": ["fast"]}},
+    )
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
     history = (await c.get(f"/admin/v1/tenants/{tid}/policy/history", headers=h)).json()
     assert [(p["version"], p["comment"]) for p in history] == [(1, "initial"), (2, "tighten")]
@@ -64,8 +72,11 @@ async def test_usage_report_json_and_csv(agw):
     tid, key = await agw.make_tenant()
     model = agw.runtime.engine.model_name
     for _ in range(2):
-        r = await agw.client.post("/v1/completions", headers={"Authorization": f"Bearer {key}"},
-                                  json={"model": model, "prompt": "hello", "max_tokens": 3})
+        r = await agw.client.post(
+            "/v1/completions",
+            headers={"Authorization": f"Bearer {key}"},
+            json={"model": model, "prompt": "hello", "max_tokens": 3},
+        )
         assert r.status_code == 200
     rows = (await agw.client.get(f"/admin/v1/tenants/{tid}/usage?window=day", headers=agw.admin())).json()
     assert len(rows) == 1 and rows[0]["num_requests"] == 2
@@ -74,4 +85,6 @@ async def test_usage_report_json_and_csv(agw):
     assert r.headers["content-type"].startswith("text/csv")
     parsed = list(csv.DictReader(io.StringIO(r.text)))
     assert parsed[0]["num_requests"] == "2" and parsed[0]["completion_tokens"] == "6"
-    assert (await agw.client.get(f"/admin/v1/tenants/{tid}/usage?window=year", headers=agw.admin())).status_code == 400
+    assert (
+        await agw.client.get(f"/admin/v1/tenants/{tid}/usage?window=year", headers=agw.admin())
+    ).status_code == 400

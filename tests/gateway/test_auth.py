@@ -16,8 +16,9 @@ def bearer(token: str) -> dict[str, str]:
 
 
 async def chat(gw, headers):
-    return await gw.client.post("/v1/chat/completions", headers=headers,
-                                json=CHAT | {"model": gw.runtime.engine.model_name})
+    return await gw.client.post(
+        "/v1/chat/completions", headers=headers, json=CHAT | {"model": gw.runtime.engine.model_name}
+    )
 
 
 def assert_openai_error(r, status, code=None):
@@ -28,14 +29,17 @@ def assert_openai_error(r, status, code=None):
         assert err["code"] == code
 
 
-@pytest.mark.parametrize("headers,code", [
-    ({}, "missing_api_key"),
-    ({"Authorization": "Basic abc"}, "malformed_api_key"),
-    ({"Authorization": "Bearer "}, "malformed_api_key"),
-    ({"Authorization": "Bearer kvg_nothex_abc"}, "malformed_api_key"),
-    ({"Authorization": "Bearer kvg_0123456789abcdef_" + "x" * 43}, "invalid_api_key"),
-    ({"Authorization": "Bearer kvg_0123456789abcdef_' OR 1=1 --"}, "malformed_api_key"),
-])
+@pytest.mark.parametrize(
+    "headers,code",
+    [
+        ({}, "missing_api_key"),
+        ({"Authorization": "Basic abc"}, "malformed_api_key"),
+        ({"Authorization": "Bearer "}, "malformed_api_key"),
+        ({"Authorization": "Bearer kvg_nothex_abc"}, "malformed_api_key"),
+        ({"Authorization": "Bearer kvg_0123456789abcdef_" + "x" * 43}, "invalid_api_key"),
+        ({"Authorization": "Bearer kvg_0123456789abcdef_' OR 1=1 --"}, "malformed_api_key"),
+    ],
+)
 async def test_bad_keys_are_401(gw, headers, code):
     assert_openai_error(await chat(gw, headers), 401, code)
     assert_openai_error(await gw.client.get("/v1/models", headers=headers), 401)
@@ -61,8 +65,11 @@ async def test_revoked_key_is_401_on_next_request(gw):
 async def test_expired_key_is_401(gw):
     _, key = await gw.make_tenant()
     async with gw.runtime.sessionmaker() as s:
-        await s.execute(update(ApiKey).where(ApiKey.id == key.split("_")[1])
-                        .values(expires_at=utcnow() - timedelta(seconds=1)))
+        await s.execute(
+            update(ApiKey)
+            .where(ApiKey.id == key.split("_")[1])
+            .values(expires_at=utcnow() - timedelta(seconds=1))
+        )
         await s.commit()
     assert_openai_error(await chat(gw, bearer(key)), 401)
 
@@ -78,14 +85,18 @@ async def test_disabled_tenant_is_401(gw):
 async def test_rotation_keeps_old_key_during_overlap_only(gw):
     tid, key = await gw.make_tenant()
     key_id = key.split("_")[1]
-    r = await gw.client.post(f"/admin/v1/tenants/{tid}/keys/{key_id}/rotate", headers=gw.admin(),
-                             json={"overlap_seconds": 3600})
+    r = await gw.client.post(
+        f"/admin/v1/tenants/{tid}/keys/{key_id}/rotate", headers=gw.admin(), json={"overlap_seconds": 3600}
+    )
     assert r.status_code == 201
     new_key = r.json()["key"]
     assert (await chat(gw, bearer(key))).status_code == 200
     assert (await chat(gw, bearer(new_key))).status_code == 200
-    r = await gw.client.post(f"/admin/v1/tenants/{tid}/keys/{new_key.split('_')[1]}/rotate", headers=gw.admin(),
-                             json={"overlap_seconds": 0})
+    r = await gw.client.post(
+        f"/admin/v1/tenants/{tid}/keys/{new_key.split('_')[1]}/rotate",
+        headers=gw.admin(),
+        json={"overlap_seconds": 0},
+    )
     assert_openai_error(await chat(gw, bearer(new_key)), 401)
     assert (await chat(gw, bearer(r.json()["key"]))).status_code == 200
 
@@ -93,10 +104,16 @@ async def test_rotation_keeps_old_key_during_overlap_only(gw):
 async def test_tenant_key_cannot_reach_admin_or_metrics(gw):
     tid, key = await gw.make_tenant()
     other, _ = await gw.make_tenant()
-    for method, path in [("GET", "/admin/v1/tenants"), ("GET", f"/admin/v1/tenants/{tid}"),
-                         ("GET", f"/admin/v1/tenants/{other}/policy"), ("GET", f"/admin/v1/tenants/{other}/keys"),
-                         ("POST", f"/admin/v1/tenants/{other}/keys"), ("PUT", f"/admin/v1/tenants/{other}/policy"),
-                         ("GET", f"/admin/v1/tenants/{other}/usage"), ("GET", "/metrics")]:
+    for method, path in [
+        ("GET", "/admin/v1/tenants"),
+        ("GET", f"/admin/v1/tenants/{tid}"),
+        ("GET", f"/admin/v1/tenants/{other}/policy"),
+        ("GET", f"/admin/v1/tenants/{other}/keys"),
+        ("POST", f"/admin/v1/tenants/{other}/keys"),
+        ("PUT", f"/admin/v1/tenants/{other}/policy"),
+        ("GET", f"/admin/v1/tenants/{other}/usage"),
+        ("GET", "/metrics"),
+    ]:
         r = await gw.client.request(method, path, headers=bearer(key), json={})
         assert_openai_error(r, 403, "admin_token_required")
 
@@ -123,7 +140,9 @@ async def test_audit_hook_sees_auth_and_admin_events(tmp_path, sqlite_url, llm):
     from .conftest import make_settings
 
     events = []
-    app = create_app(make_settings(tmp_path, sqlite_url), engine=llm, audit_sink=lambda n, f: events.append((n, f)))
+    app = create_app(
+        make_settings(tmp_path, sqlite_url), engine=llm, audit_sink=lambda n, f: events.append((n, f))
+    )
     async with AsyncTestClient(app) as client:
         rt = app.state.runtime
         async with rt.sessionmaker() as s:

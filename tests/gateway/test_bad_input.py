@@ -12,28 +12,65 @@ MSG = [{"role": "user", "content": "hi"}]
 @pytest.fixture
 async def ctx(gw):
     _, key = await gw.make_tenant()
-    return gw, {"Authorization": f"Bearer {key}", "content-type": "application/json"}, gw.runtime.engine.model_name
+    return (
+        gw,
+        {"Authorization": f"Bearer {key}", "content-type": "application/json"},
+        gw.runtime.engine.model_name,
+    )
 
 
 def bodies(model):
     ok = {"model": model, "messages": MSG, "max_tokens": 2}
     return [
-        b"{", b"", b"null", b"[]", b'"x"', b"{}", b'{"model": "m"', b"\xff\xfe\xfd",
+        b"{",
+        b"",
+        b"null",
+        b"[]",
+        b'"x"',
+        b"{}",
+        b'{"model": "m"',
+        b"\xff\xfe\xfd",
         b'{"model": "' + model.encode() + b'", "messages": [{"role": "user", "content": "\xc3\x28"}]}',
         b'{"model": "x", "messages": [], "temperature": NaN}',
         b'{"model": "x", "messages": [], "temperature": Infinity}',
         b'{"model": "x", "messages": [], "temperature": 1e999}',
         b"[" * 5000 + b"]" * 5000,
-        *[json.dumps(ok | extra).encode() for extra in [
-            {"unknown": 1}, {"temperature": "hot"}, {"temperature": -1}, {"temperature": 3}, {"top_p": 0},
-            {"max_tokens": 0}, {"max_tokens": -5}, {"max_tokens": "5"}, {"max_tokens": 1.5}, {"n": 0}, {"n": 100},
-            {"stream": "yes"}, {"messages": []}, {"messages": [{"role": "wizard", "content": "x"}]},
-            {"messages": [{"role": "user", "content": 5}]}, {"messages": "hi"}, {"stop": ["a"] * 10},
-            {"stop": ""}, {"logprobs": True, "top_logprobs": 50}, {"top_logprobs": 2},
-            {"stream_options": {"include_usage": True}}, {"seed": 2**70}, {"model": 5}, {"frequency_penalty": 1},
-            {"max_tokens": 10**12}, {"determinism": "quantum"},
-            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
-        ]],
+        *[
+            json.dumps(ok | extra).encode()
+            for extra in [
+                {"unknown": 1},
+                {"temperature": "hot"},
+                {"temperature": -1},
+                {"temperature": 3},
+                {"top_p": 0},
+                {"max_tokens": 0},
+                {"max_tokens": -5},
+                {"max_tokens": "5"},
+                {"max_tokens": 1.5},
+                {"n": 0},
+                {"n": 100},
+                {"stream": "yes"},
+                {"messages": []},
+                {"messages": [{"role": "wizard", "content": "x"}]},
+                {"messages": [{"role": "user", "content": 5}]},
+                {"messages": "hi"},
+                {"stop": ["a"] * 10},
+                {"stop": ""},
+                {"logprobs": True, "top_logprobs": 50},
+                {"top_logprobs": 2},
+                {"stream_options": {"include_usage": True}},
+                {"seed": 2**70},
+                {"model": 5},
+                {"frequency_penalty": 1},
+                {"max_tokens": 10**12},
+                {"determinism": "quantum"},
+                {
+                    "messages": [
+                        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}
+                    ]
+                },
+            ]
+        ],
     ]
 
 
@@ -43,15 +80,26 @@ async def test_bad_chat_bodies_are_4xx(ctx):
         r = await gw.client.post("/v1/chat/completions", headers=h, content=body)
         assert 400 <= r.status_code < 500, (body[:80], r.status_code, r.text)
         assert set(r.json()["error"]) == {"message", "type", "param", "code"}
-    r = await gw.client.post("/v1/chat/completions", headers=h, json={"model": model, "messages": MSG,
-                                                                       "max_tokens": 2})
+    r = await gw.client.post(
+        "/v1/chat/completions", headers=h, json={"model": model, "messages": MSG, "max_tokens": 2}
+    )
     assert r.status_code == 200
 
 
 async def test_bad_completion_bodies_are_4xx(ctx):
     gw, h, model = ctx
-    for extra in [{"prompt": 5}, {"prompt": []}, {"prompt": [-1]}, {"prompt": [[1, 2]]}, {"echo": True},
-                  {"best_of": 3}, {"logprobs": 6}, {"prompt": ["a", "b"]}, {"suffix": "x"}, {"prompt": None}]:
+    for extra in [
+        {"prompt": 5},
+        {"prompt": []},
+        {"prompt": [-1]},
+        {"prompt": [[1, 2]]},
+        {"echo": True},
+        {"best_of": 3},
+        {"logprobs": 6},
+        {"prompt": ["a", "b"]},
+        {"suffix": "x"},
+        {"prompt": None},
+    ]:
         body = {"model": model, "prompt": "hi"} | extra
         r = await gw.client.post("/v1/completions", headers=h, json=body)
         assert 400 <= r.status_code < 500, (extra, r.text)
@@ -73,11 +121,21 @@ async def test_unknown_route_and_method(ctx):
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
-@given(data=st.recursive(st.none() | st.booleans() | st.floats(allow_nan=False) | st.integers() | st.text(),
-                         lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=8), c, max_size=4),
-                         max_leaves=8))
+@given(
+    data=st.recursive(
+        st.none()
+        | st.booleans()
+        | st.floats(allow_nan=False, allow_infinity=False)
+        | st.integers()
+        | st.text(),
+        lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=8), c, max_size=4),
+        max_leaves=8,
+    )
+)
 async def test_fuzzed_json_never_500(ctx, data):
     gw, h, model = ctx
-    body = {"model": model, "messages": MSG, "max_tokens": 1, "x": data} if not isinstance(data, dict) else data
+    body = (
+        {"model": model, "messages": MSG, "max_tokens": 1, "x": data} if not isinstance(data, dict) else data
+    )
     r = await gw.client.post("/v1/chat/completions", headers=h, json=body)
     assert r.status_code < 500, r.text

@@ -26,9 +26,23 @@ def server(tmp_path_factory, tiny_model_dir):
     port = _free_port()
     env = os.environ | {"KVGATE_DATA_DIR": str(data_dir), "KVGATE_LOG_JSON": "true"}
     log = open(data_dir / "serve.log", "wb")
-    proc = subprocess.Popen([*KVGATE, "serve", "--port", str(port), "--model", str(tiny_model_dir),
-                             "--num-kv-blocks", "128", "--max-num-seqs", "4"], env=env, stdout=log,
-                            stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [
+            *KVGATE,
+            "serve",
+            "--port",
+            str(port),
+            "--model",
+            str(tiny_model_dir),
+            "--num-kv-blocks",
+            "128",
+            "--max-num-seqs",
+            "4",
+        ],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     ca = data_dir / "tls" / "ca.pem"
     base = f"https://127.0.0.1:{port}"
     try:
@@ -43,8 +57,9 @@ def server(tmp_path_factory, tiny_model_dir):
                     pass
             assert time.monotonic() < deadline, (data_dir / "serve.log").read_text()
             time.sleep(0.3)
-        token = subprocess.run([*KVGATE, "admin", "bootstrap"], env=env, check=True, capture_output=True,
-                               text=True).stdout.strip()
+        token = subprocess.run(
+            [*KVGATE, "admin", "bootstrap"], env=env, check=True, capture_output=True, text=True
+        ).stdout.strip()
         yield base, ca, token, data_dir, env
     finally:
         proc.terminate()
@@ -62,24 +77,40 @@ def test_end_to_end_with_openai_sdk(server):
     assert "SHA-256 fingerprint" in log and str(ca) in log
     with pytest.raises(httpx.ConnectError):  # TLS is on: a client without the CA must not connect
         httpx.get(f"{base}/healthz", timeout=5)
-    admin = httpx.Client(base_url=base, verify=str(ca), headers={"Authorization": f"Bearer {token}"}, timeout=30)
+    admin = httpx.Client(
+        base_url=base, verify=str(ca), headers={"Authorization": f"Bearer {token}"}, timeout=30
+    )
     tenant = admin.post("/admin/v1/tenants", json={"name": "e2e"}).json()
     key = admin.post(f"/admin/v1/tenants/{tenant['id']}/keys", json={"name": "sdk"}).json()["key"]
-    client = openai.OpenAI(base_url=f"{base}/v1", api_key=key, http_client=httpx.Client(verify=str(ca)),
-                           max_retries=0)
+    client = openai.OpenAI(
+        base_url=f"{base}/v1", api_key=key, http_client=httpx.Client(verify=str(ca)), max_retries=0
+    )
     model = client.models.list().data[0].id
-    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hello"}],
-                                          max_tokens=4)
+    chat = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "hello"}], max_tokens=4
+    )
     assert chat.choices[0].finish_reason == "length" and chat.usage.completion_tokens == 4
-    chunks = list(client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hello"}],
-                                                 max_tokens=4, stream=True,
-                                                 stream_options={"include_usage": True}))
-    assert chunks[-1].usage.completion_tokens == 4 and chunks[-1].usage.prompt_tokens_details.cached_tokens >= 0
+    chunks = list(
+        client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": "hello"}],
+            max_tokens=4,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert (
+        chunks[-1].usage.completion_tokens == 4 and chunks[-1].usage.prompt_tokens_details.cached_tokens >= 0
+    )
     text = client.completions.create(model=model, prompt="The sky is", max_tokens=3)
     assert text.usage.completion_tokens == 3
     with pytest.raises(openai.AuthenticationError):
-        openai.OpenAI(base_url=f"{base}/v1", api_key="kvg_0123456789abcdef_" + "z" * 43,
-                      http_client=httpx.Client(verify=str(ca)), max_retries=0).models.list()
+        openai.OpenAI(
+            base_url=f"{base}/v1",
+            api_key="kvg_0123456789abcdef_" + "z" * 43,
+            http_client=httpx.Client(verify=str(ca)),
+            max_retries=0,
+        ).models.list()
     with pytest.raises(openai.BadRequestError) as exc:
         client.chat.completions.create(model=model, messages=[{"role": "user", "content": "x " * 3000}])
     assert exc.value.code == "context_length_exceeded"
@@ -95,16 +126,26 @@ def test_end_to_end_with_openai_sdk(server):
 def test_client_disconnect_aborts_and_settles(server):
     """Closing the connection mid-stream aborts the engine request and settles only what was generated."""
     base, ca, token, _, _ = server
-    admin = httpx.Client(base_url=base, verify=str(ca), headers={"Authorization": f"Bearer {token}"}, timeout=30)
-    tenant = admin.post("/admin/v1/tenants", json={"name": "disconnect",
-                                                   "policy": {"max_concurrent_requests": 1}}).json()
+    admin = httpx.Client(
+        base_url=base, verify=str(ca), headers={"Authorization": f"Bearer {token}"}, timeout=30
+    )
+    tenant = admin.post(
+        "/admin/v1/tenants", json={"name": "disconnect", "policy": {"max_concurrent_requests": 1}}
+    ).json()
     key = admin.post(f"/admin/v1/tenants/{tenant['id']}/keys", json={}).json()["key"]
     headers = {"Authorization": f"Bearer {key}"}
     model = httpx.get(f"{base}/v1/models", headers=headers, verify=str(ca)).json()["data"][0]["id"]
-    req = {"model": model, "messages": [{"role": "user", "content": "go"}], "max_tokens": 1900, "stream": True,
-           "temperature": 1.0}
-    with httpx.Client(verify=str(ca), timeout=30) as c, \
-            c.stream("POST", f"{base}/v1/chat/completions", headers=headers, json=req) as r:
+    req = {
+        "model": model,
+        "messages": [{"role": "user", "content": "go"}],
+        "max_tokens": 1900,
+        "stream": True,
+        "temperature": 1.0,
+    }
+    with (
+        httpx.Client(verify=str(ca), timeout=30) as c,
+        c.stream("POST", f"{base}/v1/chat/completions", headers=headers, json=req) as r,
+    ):
         assert r.status_code == 200
         for i, _ in enumerate(r.iter_lines()):
             if i >= 6:
@@ -112,8 +153,13 @@ def test_client_disconnect_aborts_and_settles(server):
     # the concurrency slot comes back once the aborted request has been settled
     deadline = time.monotonic() + 20
     while True:
-        r = httpx.post(f"{base}/v1/chat/completions", headers=headers, verify=str(ca), timeout=30,
-                       json=req | {"stream": False, "max_tokens": 1})
+        r = httpx.post(
+            f"{base}/v1/chat/completions",
+            headers=headers,
+            verify=str(ca),
+            timeout=30,
+            json=req | {"stream": False, "max_tokens": 1},
+        )
         if r.status_code == 200 or time.monotonic() > deadline:
             break
         time.sleep(0.1)

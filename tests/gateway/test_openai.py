@@ -13,7 +13,7 @@ async def tenant_headers(gw, policy=None):
 
 
 def sse_events(text: str) -> list:
-    events = [line[len("data: "):] for line in text.split("\n") if line.startswith("data: ")]
+    events = [line[len("data: ") :] for line in text.split("\n") if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
     return [json.loads(e) for e in events[:-1]]
 
@@ -21,16 +21,30 @@ def sse_events(text: str) -> list:
 async def test_chat_completion(gw):
     h = await tenant_headers(gw)
     model = gw.runtime.engine.model_name
-    r = await gw.client.post("/v1/chat/completions", headers=h, json={
-        "model": model, "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}],
-        "max_completion_tokens": 4, "temperature": 0, "n": 2, "logprobs": True, "top_logprobs": 2, "seed": 1})
+    r = await gw.client.post(
+        "/v1/chat/completions",
+        headers=h,
+        json={
+            "model": model,
+            "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}],
+            "max_completion_tokens": 4,
+            "temperature": 0,
+            "n": 2,
+            "logprobs": True,
+            "top_logprobs": 2,
+            "seed": 1,
+        },
+    )
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["object"] == "chat.completion" and len(body["choices"]) == 2
     # exact prompt count: the model's own chat template
     tok = gw.runtime.engine.tokenizer
-    ids = tok.apply_chat_template([{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}],
-                                  add_generation_prompt=True, tokenize=True)["input_ids"]
+    ids = tok.apply_chat_template(
+        [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}],
+        add_generation_prompt=True,
+        tokenize=True,
+    )["input_ids"]
     usage = body["usage"]
     assert usage["prompt_tokens"] == len(ids) and usage["completion_tokens"] == 8
     assert "cached_tokens" in usage["prompt_tokens_details"]
@@ -43,16 +57,26 @@ async def test_chat_completion(gw):
 async def test_chat_streaming_with_usage(gw):
     h = await tenant_headers(gw)
     model = gw.runtime.engine.model_name
-    req = {"model": model, "messages": [{"role": "user", "content": "tell me"}], "max_tokens": 6, "temperature": 0}
+    req = {
+        "model": model,
+        "messages": [{"role": "user", "content": "tell me"}],
+        "max_tokens": 6,
+        "temperature": 0,
+    }
     whole = (await gw.client.post("/v1/chat/completions", headers=h, json=req)).json()
-    r = await gw.client.post("/v1/chat/completions", headers=h,
-                             json=req | {"stream": True, "stream_options": {"include_usage": True}})
+    r = await gw.client.post(
+        "/v1/chat/completions",
+        headers=h,
+        json=req | {"stream": True, "stream_options": {"include_usage": True}},
+    )
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
     events = sse_events(r.text)
     assert events[0]["choices"][0]["delta"]["role"] == "assistant"
     text = "".join(e["choices"][0]["delta"].get("content", "") for e in events if e["choices"])
     assert text == whole["choices"][0]["message"]["content"]
-    finals = [e["choices"][0]["finish_reason"] for e in events if e["choices"] and e["choices"][0]["finish_reason"]]
+    finals = [
+        e["choices"][0]["finish_reason"] for e in events if e["choices"] and e["choices"][0]["finish_reason"]
+    ]
     assert finals == ["length"]
     assert all(e["usage"] is None for e in events[:-1])
     assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 6
@@ -63,13 +87,19 @@ async def test_chat_streaming_with_usage(gw):
 async def test_completions_and_stream(gw):
     h = await tenant_headers(gw)
     model = gw.runtime.engine.model_name
-    r = await gw.client.post("/v1/completions", headers=h,
-                             json={"model": model, "prompt": "Once upon", "max_tokens": 3, "logprobs": 1})
+    r = await gw.client.post(
+        "/v1/completions",
+        headers=h,
+        json={"model": model, "prompt": "Once upon", "max_tokens": 3, "logprobs": 1},
+    )
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["object"] == "text_completion" and len(body["choices"][0]["logprobs"]["tokens"]) == 3
-    r = await gw.client.post("/v1/completions", headers=h,
-                             json={"model": model, "prompt": [1, 2, 3], "max_tokens": 3, "stream": True})
+    r = await gw.client.post(
+        "/v1/completions",
+        headers=h,
+        json={"model": model, "prompt": [1, 2, 3], "max_tokens": 3, "stream": True},
+    )
     events = sse_events(r.text)
     assert all(e["object"] == "text_completion" for e in events)
     r = await gw.client.post("/v1/completions", headers=h, json={"model": model, "prompt": [10**9]})
@@ -82,23 +112,32 @@ async def test_models(gw):
     model = gw.runtime.engine.model_name
     assert body["object"] == "list" and body["data"][0]["id"] == model
     assert (await gw.client.get(f"/v1/models/{model}", headers=h)).status_code == 200
-    r = await gw.client.post("/v1/chat/completions", headers=h,
-                             json={"model": "gpt-4", "messages": [{"role": "user", "content": "x"}]})
+    r = await gw.client.post(
+        "/v1/chat/completions",
+        headers=h,
+        json={"model": "gpt-4", "messages": [{"role": "user", "content": "x"}]},
+    )
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
 
 
 async def test_context_length_exceeded(gw):
     h = await tenant_headers(gw, Policy(max_context_tokens=64))
     model = gw.runtime.engine.model_name
-    r = await gw.client.post("/v1/chat/completions", headers=h,
-                             json={"model": model, "messages": [{"role": "user", "content": "word " * 100}]})
+    r = await gw.client.post(
+        "/v1/chat/completions",
+        headers=h,
+        json={"model": model, "messages": [{"role": "user", "content": "word " * 100}]},
+    )
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
-    r = await gw.client.post("/v1/chat/completions", headers=h,
-                             json={"model": model, "messages": [{"role": "user", "content": "hi"}],
-                                   "max_tokens": 60})
+    r = await gw.client.post(
+        "/v1/chat/completions",
+        headers=h,
+        json={"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 60},
+    )
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
-    r = await gw.client.post("/v1/completions", headers=h,
-                             json={"model": model, "prompt": "x " * 5000, "max_tokens": 1})
+    r = await gw.client.post(
+        "/v1/completions", headers=h, json={"model": model, "prompt": "x " * 5000, "max_tokens": 1}
+    )
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
 
 

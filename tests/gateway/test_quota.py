@@ -26,7 +26,7 @@ async def _tenant(url: str, policy: Policy) -> str:
 
 @pytest.mark.parametrize("num_services", [1, 2])
 async def test_concurrent_reservations_never_overshoot(db_url, num_services):
-    """50 concurrent reservations of 10 tokens against 200/min: exactly 20 succeed, across 1 or 2 'processes'."""
+    """50 concurrent reservations of 10 tokens against 200/min: exactly 20 succeed (1 or 2 'processes')."""
     policy = Policy(tokens_per_minute=200, daily_token_quota=10_000)
     tid = await _tenant(db_url, policy)
     engines = [make_db_engine(db_url) for _ in range(num_services)]
@@ -74,8 +74,14 @@ async def test_concurrency_slots_released(db_url):
 async def _fire(clients, key, model, n, max_tokens):
     async def one(i):
         return await clients[i % len(clients)].post(
-            "/v1/chat/completions", headers={"Authorization": f"Bearer {key}"},
-            json={"model": model, "messages": [{"role": "user", "content": f"count {i}"}], "max_tokens": max_tokens})
+            "/v1/chat/completions",
+            headers={"Authorization": f"Bearer {key}"},
+            json={
+                "model": model,
+                "messages": [{"role": "user", "content": f"count {i}"}],
+                "max_tokens": max_tokens,
+            },
+        )
 
     return await asyncio.gather(*(one(i) for i in range(n)))
 
@@ -96,7 +102,9 @@ async def test_http_requests_never_overshoot_tokens_per_minute(tmp_path, db_url,
         assert limited.json()["error"]["type"] == "rate_limit_error"
         ok = next(r for r in responses if r.status_code == 200)
         assert int(ok.headers["x-ratelimit-remaining-tokens"]) < limit
-        rows = (await gw.client.get(f"/admin/v1/tenants/{tid}/usage?window=minute", headers=gw.admin())).json()
+        rows = (
+            await gw.client.get(f"/admin/v1/tenants/{tid}/usage?window=minute", headers=gw.admin())
+        ).json()
         assert all(row["total_tokens"] <= limit for row in rows)
         settled = sum(r.json()["usage"]["total_tokens"] for r in responses if r.status_code == 200)
         assert settled == sum(row["total_tokens"] for row in rows)

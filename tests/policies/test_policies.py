@@ -23,7 +23,10 @@ def test_context_length_exceeded():
     d = evaluate(Policy(), ctx(num_prompt_tokens=95, max_tokens=10))
     assert d.violation.code == "context_length_exceeded" and d.violation.status == 400
     assert evaluate(Policy(), ctx(num_prompt_tokens=100)).violation.code == "context_length_exceeded"
-    assert evaluate(Policy(max_context_tokens=50), ctx(max_tokens=41)).violation.code == "context_length_exceeded"
+    assert (
+        evaluate(Policy(max_context_tokens=50), ctx(max_tokens=41)).violation.code
+        == "context_length_exceeded"
+    )
     assert evaluate(Policy(max_prompt_tokens=5), ctx()).violation.code == "context_length_exceeded"
 
 
@@ -46,15 +49,18 @@ def test_determinism():
     assert evaluate(p, ctx(determinism="fast")).violation.code == "determinism_not_allowed"
 
 
-@pytest.mark.parametrize("bad", [
-    {"default_determinism": "fast", "allowed_determinism": ["fixed"]},
-    {"allowed_determinism": []},
-    {"default_determinism": "turbo"},
-    {"prefix_cache_scope": "global"},
-    {"tokens_per_minute": 0},
-    {"max_prompt_tokens": 10, "max_context_tokens": 5},
-    {"unknown_field": 1},
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"default_determinism": "fast", "allowed_determinism": ["fixed"]},
+        {"allowed_determinism": []},
+        {"default_determinism": "turbo"},
+        {"prefix_cache_scope": "global"},
+        {"tokens_per_minute": 0},
+        {"max_prompt_tokens": 10, "max_context_tokens": 5},
+        {"unknown_field": 1},
+    ],
+)
 def test_invalid_policies_rejected(bad):
     with pytest.raises(ValidationError):
         Policy.model_validate(bad)
@@ -67,8 +73,12 @@ def test_policy_is_frozen_and_round_trips():
     assert Policy.model_validate_json(p.model_dump_json()) == p
 
 
-@given(prompt=st.integers(1, 200), max_tokens=st.one_of(st.none(), st.integers(1, 200)), n=st.integers(1, 4),
-       limit=st.one_of(st.none(), st.integers(1, 150)))
+@given(
+    prompt=st.integers(1, 200),
+    max_tokens=st.one_of(st.none(), st.integers(1, 200)),
+    n=st.integers(1, 4),
+    limit=st.one_of(st.none(), st.integers(1, 150)),
+)
 def test_admitted_requests_always_fit_the_context(prompt, max_tokens, n, limit):
     d = evaluate(Policy(max_context_tokens=limit), ctx(num_prompt_tokens=prompt, max_tokens=max_tokens, n=n))
     if d.is_allowed:
