@@ -138,6 +138,33 @@ async def _decide(
     return policy, prompt_ids, decision
 
 
+async def _audit_admitted(
+    rt: Runtime,
+    request_id: str,
+    principal: Principal,
+    model: str,
+    num_prompt: int,
+    decision: Decision,
+    reservation: Reservation,
+) -> None:
+    try:
+        await rt.audit.emit(
+            "request.admitted",
+            request_id=request_id,
+            tenant_id=principal.tenant_id,
+            key_id=principal.key_id,
+            model=model,
+            num_prompt_tokens=num_prompt,
+            num_reserved_tokens=reservation.num_tokens,
+            priority=decision.priority,
+            max_tokens=decision.max_tokens,
+            determinism=decision.determinism,
+        )
+    except AuditUnavailableError:
+        await rt.quota.settle(reservation, 0, 0, 0)  # nothing ran: give the reservation back
+        raise
+
+
 async def admit(
     rt: Runtime, principal: Principal, req: ChatCompletionRequest | CompletionRequest, kind: str
 ) -> Admission:
@@ -155,22 +182,7 @@ async def admit(
     reservation, info = await rt.quota.reserve(
         principal.tenant_id, policy, decision.num_reserved_tokens, time.time()
     )
-    try:
-        await rt.audit.emit(
-            "request.admitted",
-            request_id=request_id,
-            tenant_id=principal.tenant_id,
-            key_id=principal.key_id,
-            model=req.model,
-            num_prompt_tokens=len(prompt_ids),
-            num_reserved_tokens=reservation.num_tokens,
-            priority=decision.priority,
-            max_tokens=decision.max_tokens,
-            determinism=decision.determinism,
-        )
-    except AuditUnavailableError:
-        await rt.quota.settle(reservation, 0, 0, 0)  # nothing ran: give the reservation back
-        raise
+    await _audit_admitted(rt, request_id, principal, req.model, len(prompt_ids), decision, reservation)
     return Admission(
         request_id,
         kind,

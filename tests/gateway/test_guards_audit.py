@@ -1,0 +1,64 @@
+"""Guards with mock connections, and the fail-closed audit hook."""
+
+from types import SimpleNamespace
+
+import pytest
+from litestar.testing import AsyncTestClient
+
+from gateway.app import create_app
+from gateway.audit_hook import AuditHook, AuditUnavailableError
+from gateway.errors import Forbidden
+from gateway.guards import requires_admin, requires_tenant
+from gateway.services.keys import Principal
+from policies import Policy
+
+from .conftest import make_settings
+
+TENANT = Principal(kind="tenant", key_id="k", tenant_id="t")
+ADMIN = Principal(kind="admin", key_id="a")
+
+
+def conn(user):
+    return SimpleNamespace(scope={"user": user})
+
+
+@pytest.mark.parametrize(
+    "guard,allowed,denied", [(requires_tenant, TENANT, ADMIN), (requires_admin, ADMIN, TENANT)]
+)
+def test_guards(guard, allowed, denied):
+    guard(conn(allowed), None)
+    for user in (denied, None):
+        with pytest.raises(Forbidden):
+            guard(conn(user), None)
+
+
+async def test_hook_fails_closed_only_when_required():
+    def broken(name, fields):
+        raise RuntimeError("store down")
+
+    hook = AuditHook(broken)
+    with pytest.raises(AuditUnavailableError):
+        await hook.emit("request.admitted", request_id="r")
+    await hook.emit("request.finished", required=False, request_id="r")
+
+
+async def test_failed_admission_audit_is_503_and_releases_reservation(tmp_path, sqlite_url, llm):
+    state = {"fail": False}
+
+    def sink(name, fields):
+        if state["fail"] and name == "request.admitted":
+            raise RuntimeError("audit store down")
+
+    app = create_app(make_settings(tmp_path, sqlite_url), engine=llm, audit_sink=sink)
+    async with AsyncTestClient(app, timeout=60) as client:
+        from .conftest import Gateway
+
+        gw = Gateway(client, "", app.state.runtime.settings)
+        _, key = await gw.make_tenant(policy=Policy(max_concurrent_requests=1))
+        body = {"model": llm.model_name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+        h = {"Authorization": f"Bearer {key}"}
+        state["fail"] = True
+        r = await client.post("/v1/chat/completions", headers=h, json=body)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "audit_unavailable"
+        state["fail"] = False
+        assert (await client.post("/v1/chat/completions", headers=h, json=body)).status_code == 200
