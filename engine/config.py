@@ -18,6 +18,9 @@ class EngineConfig:
         tokenizer: Tokenizer directory when it differs from ``model``.
         dtype: Compute and KV dtype: ``float32`` (default, exact against transformers) or ``bfloat16``.
         device: ``cpu`` or ``cuda``.
+        kv_cache_dtype: ``auto`` (float32 on the CPU, where small-M bfloat16 batched matmuls are ~10x
+            slower than float32 ones and decode attention is all small-M; the model dtype on GPUs), or an
+            explicit dtype.
         block_size: Tokens per KV block.
         kv_cache_memory: KV pool size in bytes; ``None`` takes ``kv_cache_fraction`` of available memory.
         kv_cache_fraction: Fraction of available memory for the KV pool when no byte budget is given.
@@ -38,6 +41,7 @@ class EngineConfig:
     tokenizer: str | None = None
     dtype: str = "float32"
     device: str = "cpu"
+    kv_cache_dtype: str = "auto"
     block_size: int = 16
     kv_cache_memory: int | None = None
     kv_cache_fraction: float = 0.1
@@ -57,6 +61,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in _DTYPES:
+            raise ValueError(f"kv_cache_dtype must be 'auto' or one of {_DTYPES}")
         if self.scheduling_policy not in _POLICIES:
             raise ValueError(f"scheduling_policy must be one of {_POLICIES}")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):

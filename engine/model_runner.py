@@ -6,7 +6,9 @@ import torch
 
 from engine.request import Sequence, TokenLogprobs
 from engine.sampler import sample
-from kernels import AttentionMetadata, PrefillSpan
+from kernels import AttentionMetadata, DecodeGroup, PrefillSpan
+
+_DECODE_GROUP = 16  # rows per decode group: bounds padding to the spread of 16 sorted lengths
 
 
 class ModelRunner:
@@ -26,22 +28,22 @@ class ModelRunner:
         slots = (table[:, None] * bs + self._offsets).view(-1)
         return slots[start - first * bs:end - first * bs]
 
-    def _decode_layout(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Padded [D, L] context slots (padding points at block 0 and is masked) and the mask."""
-        bs = self.block_size
-        ctx_lens = [s.num_computed_tokens + 1 for s in seqs]
-        max_blocks = -(-max(ctx_lens) // bs)
-        table = torch.zeros(len(seqs), max_blocks, dtype=torch.long)
-        for i, s in enumerate(seqs):
-            ids = s.block_ids[:max_blocks]
-            table[i, :len(ids)] = torch.tensor(ids, dtype=torch.long)
-        table = table.to(self.device)
-        slots = (table[:, :, None] * bs + self._offsets).view(len(seqs), -1)[:, :max(ctx_lens)]
-        if min(ctx_lens) == max(ctx_lens):
-            return slots, None
-        lens = torch.tensor(ctx_lens, device=self.device)
-        mask = torch.arange(slots.shape[1], device=self.device)[None, :] < lens[:, None]
-        return slots, mask[:, None, None, :]
+    def _decode_groups(self, seqs: list[Sequence]) -> list[DecodeGroup]:
+        """Rows (already sorted by context length) in groups of similar length, each with a padded
+        block table and a mask of its real context slots."""
+        bs, groups = self.block_size, []
+        for start in range(0, len(seqs), _DECODE_GROUP):
+            chunk = seqs[start:start + _DECODE_GROUP]
+            ctx_lens = [s.num_computed_tokens + 1 for s in chunk]
+            nb = -(-max(ctx_lens) // bs)
+            table = [s.block_ids[:nb] + [0] * (nb - len(s.block_ids[:nb])) for s in chunk]
+            mask = None
+            if any(n != nb * bs for n in ctx_lens):
+                lens = torch.tensor(ctx_lens, device=self.device)
+                mask = (torch.arange(nb * bs, device=self.device)[None, :] < lens[:, None])[:, None, None, :]
+            groups.append(DecodeGroup(start, start + len(chunk),
+                                      torch.tensor(table, dtype=torch.long, device=self.device), mask))
+        return groups
 
     def prepare(self, scheduled: list[tuple[Sequence, int]]):
         """Lay out the step: decodes (one new token) first, then prefill chunks.
@@ -49,7 +51,7 @@ class ModelRunner:
         Returns input ids, positions, attention metadata, the batch rows whose logits are sampled, and
         the sequences those rows belong to (in the same order as ``scheduled`` after reordering).
         """
-        decodes = [(s, n) for s, n in scheduled if n == 1]
+        decodes = sorted(((s, n) for s, n in scheduled if n == 1), key=lambda x: x[0].num_computed_tokens)
         prefills = [(s, n) for s, n in scheduled if n > 1]
         ids: list[int] = []
         positions: list[int] = []
@@ -58,13 +60,13 @@ class ModelRunner:
             ids.extend(s.all_token_ids[start:start + n])
             positions.extend(range(start, start + n))
         slot_parts, spans, sample_rows, sample_seqs = [], [], [], []
-        if decodes:
-            dec_seqs = [s for s, _ in decodes]
-            decode_slots, decode_mask = self._decode_layout(dec_seqs)
-            last = torch.tensor([s.num_computed_tokens for s in dec_seqs], device=self.device)
-            slot_parts.append(decode_slots.gather(1, last[:, None]).view(-1))
-        else:
-            decode_slots = decode_mask = None
+        dec_seqs = [s for s, _ in decodes]
+        groups = self._decode_groups(dec_seqs) if dec_seqs else []
+        if dec_seqs:
+            bs = self.block_size
+            slot_parts.append(torch.tensor([s.block_ids[s.num_computed_tokens // bs] * bs
+                                            + s.num_computed_tokens % bs for s in dec_seqs],
+                                           dtype=torch.long, device=self.device))
         q_start = len(decodes)
         for s, n in prefills:
             start = s.num_computed_tokens
@@ -82,7 +84,7 @@ class ModelRunner:
             if s.num_computed_tokens + n == s.num_tokens:  # caught up: this step yields its next token
                 sample_rows.append(row - 1)
                 sample_seqs.append(s)
-        meta = AttentionMetadata(torch.cat(slot_parts), len(decodes), decode_slots, decode_mask, spans)
+        meta = AttentionMetadata(torch.cat(slot_parts), len(decodes), groups, spans)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         return input_ids, pos, meta, sample_rows, sample_seqs

@@ -65,6 +65,12 @@ def _num_blocks(config: EngineConfig, mc: ModelConfig, dtype: torch.dtype, devic
     return n
 
 
+def _kv_dtype(config: EngineConfig, dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    if config.kv_cache_dtype != "auto":
+        return _DTYPES[config.kv_cache_dtype]
+    return torch.float32 if device.type == "cpu" else dtype
+
+
 def build_model(mc: ModelConfig, state: dict, max_model_len: int, dtype: torch.dtype,
                 device: torch.device) -> LlamaForCausalLM:
     """Construct on the meta device (no wasted random init), then materialize and copy the weights."""
@@ -89,14 +95,16 @@ def load_model(config: EngineConfig) -> LoadedModel:
     max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
     model = build_model(mc, load_state_dict(model_dir), max_model_len, dtype, device)
     tokenizer = load_tokenizer(Path(config.tokenizer) if config.tokenizer else model_dir)
-    num_blocks = _num_blocks(config, mc, dtype, device)
+    kv_dtype = _kv_dtype(config, dtype, device)
+    num_blocks = _num_blocks(config, mc, kv_dtype, device)
     shape = (num_blocks, config.block_size, mc.num_kv_heads, mc.head_dim)
     # Zeroed, not empty: a fresh pool must never expose memory this process used for something else.
-    kv_caches = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+    kv_caches = [(torch.zeros(shape, dtype=kv_dtype, device=device),
+                  torch.zeros(shape, dtype=kv_dtype, device=device))
                  for _ in range(mc.num_layers)]
-    nbytes = 2 * mc.num_layers * kv_caches[0][0].numel() * dtype.itemsize
+    nbytes = 2 * mc.num_layers * kv_caches[0][0].numel() * kv_dtype.itemsize
     logger.info("KV cache: %d blocks = %d tokens (%.0f MiB, %s)", num_blocks, num_blocks * config.block_size,
-                nbytes / 2**20, config.dtype)
+                nbytes / 2**20, kv_dtype)
     eos = set(mc.eos_token_ids)
     if getattr(tokenizer, "eos_token_id", None) is not None:
         eos.add(tokenizer.eos_token_id)

@@ -24,6 +24,20 @@ class PrefillSpan:
 
 
 @dataclass(slots=True)
+class DecodeGroup:
+    """Decode rows [start, end) of the batch, with similar context lengths so padding stays small.
+
+    ``block_tables`` [g, nb] lists each row's blocks (padded with block 0); ``mask`` [g, 1, 1, nb * bs]
+    marks real context slots (None when every row fills all nb blocks exactly).
+    """
+
+    start: int
+    end: int
+    block_tables: torch.Tensor
+    mask: torch.Tensor | None
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
     """Per-step layout shared by every layer.
 
@@ -32,15 +46,49 @@ class AttentionMetadata:
         | d0 d1 ... d{D-1} | p0 p0 p0 ... | p1 p1 ... |
           one token each     span 0         span 1
 
-    ``slot_mapping[t]`` is where token t's K/V are written. Decode sequence i reads its context from
-    ``decode_slots[i, :context_len_i]``; the rest of the row is padding masked off by ``decode_mask``.
+    ``slot_mapping[t]`` is where token t's K/V are written. Decode rows come in groups of similar context
+    length; each group gathers whole blocks (contiguous block_size x heads x dim chunks, far cheaper than
+    per-token gathers) and masks the padding.
     """
 
     slot_mapping: torch.Tensor  # [T] int64
     num_decode_tokens: int
-    decode_slots: torch.Tensor | None  # [D, L] int64
-    decode_mask: torch.Tensor | None  # [D, 1, 1, L] bool, None when no row is padded
+    decode_groups: list[DecodeGroup]
     prefills: list[PrefillSpan]
+
+
+_workspace: dict[tuple, torch.Tensor] = {}
+
+
+def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, which: int) -> torch.Tensor:
+    """cache[block_ids] into a reused buffer: fresh multi-MiB allocations per layer cost page faults."""
+    n = block_ids.numel()
+    key = (which, cache.dtype, cache.device, cache.shape[1:])
+    buf = _workspace.get(key)
+    if buf is None or buf.shape[0] < n:
+        buf = _workspace[key] = torch.empty((max(n, 64), *cache.shape[1:]), dtype=cache.dtype, device=cache.device)
+    return torch.index_select(cache, 0, block_ids, out=buf[:n])
+
+
+def _decode_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: DecodeGroup,
+                  scale: float) -> torch.Tensor:
+    # q: [g, Hkv, G, Dh]; grouped query heads ride in the "query length" dim, so GQA needs no K/V
+    # expansion, and one query per sequence needs no causal mask.
+    g, num_blocks = group.block_tables.shape
+    bs, num_kv_heads, head_dim = k_cache.shape[1:]
+    flat = group.block_tables.reshape(-1)
+    k = _gather_blocks(k_cache, flat, 0).view(g, num_blocks * bs, num_kv_heads, head_dim)
+    v = _gather_blocks(v_cache, flat, 1).view(g, num_blocks * bs, num_kv_heads, head_dim)
+    out = torch.empty(g, num_kv_heads, q.shape[2], head_dim, dtype=k.dtype, device=k.device)
+    q = q.to(k.dtype)
+    # One bmm pair per KV head on strided views: BLAS reads the [g, L, Dh] head slices in place, where a
+    # permute to [g, Hkv, L, Dh] would copy all of K and V every layer.
+    for h in range(num_kv_heads):
+        scores = torch.bmm(q[:, h], k[:, :, h].transpose(1, 2)).float() * scale  # [g, G, L]
+        if group.mask is not None:
+            scores.masked_fill_(~group.mask[:, 0], float("-inf"))
+        out[:, h] = torch.bmm(torch.softmax(scores, dim=-1).to(k.dtype), v[:, :, h])
+    return out  # [g, Hkv, G, Dh]
 
 
 def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -53,7 +101,8 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     """Attention of every batch token over its sequence's cached context.
 
     Args:
-        query: [T, num_heads, head_dim], RoPE applied.
+        query: [T, num_heads, head_dim], RoPE applied. The cache may hold a wider dtype than the
+            query (float32 K/V under a bfloat16 model on the CPU); attention runs in the cache's dtype.
         k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], this step's K/V already stored.
         meta: the step's layout.
         scale: softmax scale, usually head_dim ** -0.5.
@@ -64,19 +113,13 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[-2]
     group = num_heads // num_kv_heads
-    out = torch.empty_like(query)
-    d = meta.num_decode_tokens
-    if d:
-        # Grouped query heads ride in the "query length" dim: q [D, Hkv, G, Dh] against k [D, Hkv, L, Dh],
-        # so GQA needs no K/V expansion. Decode has one query per sequence, so no causal mask is needed.
-        q = query[:d].view(d, num_kv_heads, group, head_dim)
-        k = _gather(k_cache, meta.decode_slots).transpose(1, 2)
-        v = _gather(v_cache, meta.decode_slots).transpose(1, 2)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.decode_mask, scale=scale)
-        out[:d] = o.reshape(d, num_heads, head_dim)
+    out = torch.empty(query.shape, dtype=k_cache.dtype, device=query.device)
+    for dg in meta.decode_groups:
+        q = query[dg.start:dg.end].view(dg.end - dg.start, num_kv_heads, group, head_dim)
+        out[dg.start:dg.end] = _decode_group(q, k_cache, v_cache, dg, scale).reshape(-1, num_heads, head_dim)
     for span in meta.prefills:
         s, n = span.q_start, span.q_len
-        q = query[s:s + n].transpose(0, 1).unsqueeze(0)  # [1, H, n, Dh]
+        q = query[s:s + n].transpose(0, 1).unsqueeze(0).to(k_cache.dtype)  # [1, H, n, Dh]
         k = _gather(k_cache, span.ctx_slots).transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, Dh]
         v = _gather(v_cache, span.ctx_slots).transpose(0, 1).unsqueeze(0)
         if span.mask is None:
@@ -85,4 +128,4 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=span.mask, scale=scale,
                                                enable_gqa=group > 1)
         out[s:s + n] = o[0].transpose(0, 1)
-    return out.view(num_tokens, num_heads * head_dim)
+    return out.view(num_tokens, num_heads * head_dim).to(query.dtype)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import AttentionMetadata, PrefillSpan, paged_attention, store_kv
+from kernels import AttentionMetadata, DecodeGroup, PrefillSpan, paged_attention, store_kv
 from kernels.reference import ref_paged_attention, ref_store_kv
 
 
@@ -36,14 +36,15 @@ def test_decode_and_prefill_match_reference(num_heads, num_kv_heads, head_dim, n
     k_cache, v_cache, tables = _setup(num_heads, num_kv_heads, head_dim, num_blocks, bs, lens)
     d, (ctx, q_len) = len(decode_lens), prefill
     query = torch.randn(d + q_len, num_heads, head_dim)
-    max_len = max(decode_lens)
-    decode_slots = torch.stack([torch.nn.functional.pad(_slots(t, 0, n, bs), (0, max_len - n))
-                                for t, n in zip(tables, decode_lens, strict=False)])
-    mask = (torch.arange(max_len)[None] < torch.tensor(decode_lens)[:, None])[:, None, None, :]
+    nb = -(-max(decode_lens) // bs)
+    table = torch.tensor([t[:nb] + [0] * (nb - len(t[:nb])) for t in tables[:d]])
+    mask = (torch.arange(nb * bs)[None] < torch.tensor(decode_lens)[:, None])[:, None, None, :]
+    # two groups: rows [0, 1) and [1, d), as the runner splits long batches
+    groups = [DecodeGroup(0, 1, table[:1, :1], mask[:1, ..., :bs]), DecodeGroup(1, d, table[1:], mask[1:])]
     ctx_slots = _slots(tables[-1], 0, ctx, bs)
     q_pos = torch.arange(ctx - q_len, ctx)
     span_mask = torch.arange(ctx)[None, :] <= q_pos[:, None]
-    meta = AttentionMetadata(torch.zeros(0, dtype=torch.long), d, decode_slots, mask,
+    meta = AttentionMetadata(torch.zeros(0, dtype=torch.long), d, groups,
                              [PrefillSpan(d, q_len, ctx_slots, span_mask)])
     out = paged_attention(query, k_cache, v_cache, meta, head_dim ** -0.5).view(-1, num_heads, head_dim)
     for i, n in enumerate(decode_lens):

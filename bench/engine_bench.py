@@ -1,0 +1,194 @@
+"""`kvgate bench engine`: our engine vs transformers (serial, static batches) vs llama.cpp, one run.
+
+Each peer runs in its own subprocess so peak RSS is its own, with torch pinned to the same threads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from bench.workload import BenchRequest, percentile, standard_workload
+
+PEERS = ("kvgate", "kvgate-bf16", "hf-serial", "hf-static", "llamacpp")
+
+
+def _peak_rss_mib() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _result(name, reqs, wall, ttfts, extra=None) -> dict:
+    gen = sum(r.max_new_tokens for r in reqs)
+    out = {"peer": name, "requests": len(reqs), "generated_tokens": gen, "prompt_tokens":
+           sum(len(r.prompt_ids) for r in reqs), "wall_s": wall, "tokens_per_s": gen / wall,
+           "ttft_p50_s": percentile(ttfts, 50), "ttft_p99_s": percentile(ttfts, 99), "peak_rss_mib": _peak_rss_mib()}
+    out.update(extra or {})
+    return out
+
+
+def run_kvgate(reqs: list[BenchRequest], dtype: str) -> dict:
+    from engine import EngineConfig, LLMEngine, SamplingParams
+
+    engine = LLMEngine(EngineConfig(dtype=dtype, kv_cache_memory=2 << 30, max_num_seqs=64,
+                                    enable_prefix_caching=False))
+    t0 = time.monotonic()
+    for i, r in enumerate(reqs):
+        engine.add_request(r.prompt_ids, SamplingParams(temperature=0, max_tokens=r.max_new_tokens,
+                                                        ignore_eos=True), f"b{i}", arrival_time=t0)
+    ttfts, peak_blocks, peak_running, forward_s = [], 0, 0, 0.0
+    while engine.has_unfinished():
+        s0 = time.perf_counter()
+        outs = engine.step()
+        forward_s += time.perf_counter() - s0
+        peak_blocks = max(peak_blocks, engine.kv.pool.num_used_blocks)
+        peak_running = max(peak_running, len(engine.scheduler.running))
+        ttfts += [o.metrics.time_to_first_token for o in outs if o.finished]
+    wall = time.monotonic() - t0
+    bs = engine.block_size
+    return _result(f"kvgate ({dtype})", reqs, wall, ttfts, {
+        "kv_tokens_peak": peak_blocks * bs, "kv_tokens_contiguous": peak_running * engine.max_model_len,
+        "steps": engine.stats().num_steps, "preemptions": engine.stats().num_preemptions})
+
+
+def _hf_model():
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from engine.loader import resolve_model_dir
+
+    return AutoModelForCausalLM.from_pretrained(str(resolve_model_dir(None)), dtype=torch.float32).eval()
+
+
+class _FirstToken:
+    """A generate() streamer that records when the first new token arrives."""
+
+    def __init__(self) -> None:
+        self.calls, self.t = 0, None
+
+    def put(self, _):
+        self.calls += 1
+        if self.calls == 2 and self.t is None:
+            self.t = time.monotonic()
+
+    def end(self):
+        pass
+
+
+def run_hf_serial(reqs: list[BenchRequest]) -> dict:
+    import torch
+
+    model = _hf_model()
+    t0, ttfts = time.monotonic(), []
+    with torch.inference_mode():
+        for r in reqs:
+            st = _FirstToken()
+            model.generate(torch.tensor([r.prompt_ids]), max_new_tokens=r.max_new_tokens,
+                           min_new_tokens=r.max_new_tokens, do_sample=False, pad_token_id=2, streamer=st)
+            ttfts.append(st.t - t0)
+    return _result("transformers serial (float32)", reqs, time.monotonic() - t0, ttfts)
+
+
+def run_hf_static(reqs: list[BenchRequest], batch: int = 16) -> dict:
+    import torch
+
+    model = _hf_model()
+    t0, ttfts = time.monotonic(), []
+    with torch.inference_mode():
+        for i in range(0, len(reqs), batch):
+            group = reqs[i:i + batch]
+            width = max(len(r.prompt_ids) for r in group)
+            ids = torch.tensor([[2] * (width - len(r.prompt_ids)) + r.prompt_ids for r in group])
+            mask = torch.tensor([[0] * (width - len(r.prompt_ids)) + [1] * len(r.prompt_ids) for r in group])
+            new = max(r.max_new_tokens for r in group)  # a static batch runs to its longest member
+            st = _FirstToken()
+            model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                           pad_token_id=2, streamer=st)
+            ttfts += [st.t - t0] * len(group)
+    return _result("transformers static batch 16 (float32)", reqs, time.monotonic() - t0, ttfts)
+
+
+def run_llamacpp(reqs: list[BenchRequest]) -> dict:
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        return {"peer": "llama.cpp (Q4_1)", "skipped": "llama-cpp-python not installed (pip install '.[peers]')"}
+    from engine.loader import find_default_gguf
+
+    llm = Llama(model_path=str(find_default_gguf()), n_ctx=1024, n_threads=os.cpu_count(), verbose=False)
+    t0, ttfts = time.monotonic(), []
+    for r in reqs:
+        first = None
+        for _ in llm.generate(r.prompt_ids, temp=0.0, top_k=1, reset=True):
+            first = first or time.monotonic()
+            break
+        llm.reset()
+        llm.create_completion(r.prompt_ids, max_tokens=r.max_new_tokens, temperature=0.0, top_k=1)
+        ttfts.append(first - t0)
+    return _result("llama.cpp one at a time (Q4_1)", reqs, time.monotonic() - t0, ttfts)
+
+
+def run_peer(peer: str, num_requests: int, hf_requests: int, seed: int) -> dict:
+    from engine.loader import load_tokenizer, resolve_model_dir
+    from engine.setup import pin_threads
+
+    pin_threads(None)
+    reqs = standard_workload(load_tokenizer(resolve_model_dir(None)), num_requests, seed)
+    if peer == "kvgate":
+        return run_kvgate(reqs, "float32")
+    if peer == "kvgate-bf16":
+        return run_kvgate(reqs, "bfloat16")
+    if peer == "hf-serial":
+        return run_hf_serial(reqs[:hf_requests])
+    if peer == "hf-static":
+        return run_hf_static(reqs[:max(hf_requests, 16)])
+    if peer == "llamacpp":
+        return run_llamacpp(reqs)
+    raise ValueError(f"unknown peer {peer!r}; known: {PEERS}")
+
+
+def format_table(results: list[dict]) -> str:
+    rows = ["| peer | requests | gen tokens | tok/s | TTFT p50 (s) | TTFT p99 (s) | peak RSS (MiB) | KV tokens held |",
+            "|---|---:|---:|---:|---:|---:|---:|---|"]
+    for r in results:
+        if "skipped" in r:
+            rows.append(f"| {r['peer']} | skipped: {r['skipped']} |||||||")
+            continue
+        kv = (f"{r['kv_tokens_peak']} peak vs {r['kv_tokens_contiguous']} contiguous"
+              if "kv_tokens_peak" in r else "n/a")
+        rows.append(f"| {r['peer']} | {r['requests']} | {r['generated_tokens']} | {r['tokens_per_s']:.1f} | "
+                    f"{r['ttft_p50_s']:.2f} | {r['ttft_p99_s']:.2f} | {r['peak_rss_mib']:.0f} | {kv} |")
+    return "\n".join(rows)
+
+
+def run_engine_bench(num_requests: int, peers: list[str], hf_requests: int, out: str, seed: int = 0) -> list[dict]:
+    results = []
+    for peer in peers:
+        proc = subprocess.run([sys.executable, "-m", "bench.engine_bench", peer, str(num_requests),
+                               str(hf_requests), str(seed)], capture_output=True, text=True)
+        if proc.returncode != 0:
+            results.append({"peer": peer, "skipped": f"failed: {proc.stderr.strip().splitlines()[-1:]}"})
+        else:
+            results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+        print(format_table(results[-1:]).splitlines()[-1], flush=True)
+    base = {r["peer"]: r for r in results if "tokens_per_s" in r}
+    ours = next((r for k, r in base.items() if k.startswith("kvgate (bfloat16")), None) or \
+        next((r for k, r in base.items() if k.startswith("kvgate")), None)
+    ratios = {k: ours["tokens_per_s"] / r["tokens_per_s"] for k, r in base.items()} if ours else {}
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps({"results": results, "throughput_ratio_vs_peer": ratios}, indent=2))
+    print(format_table(results))
+    for k, v in ratios.items():
+        print(f"{ours['peer']} / {k}: {v:.2f}x throughput")
+    print(f"JSON: {out}")
+    return results
+
+
+if __name__ == "__main__":
+    peer, n, hf_n, seed = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+    print(json.dumps(run_peer(peer, n, hf_n, seed)))
