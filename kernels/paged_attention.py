@@ -63,7 +63,8 @@ _workspace: dict[tuple, torch.Tensor] = {}
 def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, which: int) -> torch.Tensor:
     """cache[block_ids] into a reused buffer: fresh multi-MiB allocations per layer cost page faults."""
     n = block_ids.numel()
-    key = (which, cache.dtype, cache.device, cache.shape[1:])
+    # inference-mode tensors cannot be written outside inference mode: keep one buffer per mode
+    key = (which, cache.dtype, cache.device, cache.shape[1:], torch.is_inference_mode_enabled())
     buf = _workspace.get(key)
     if buf is None or buf.shape[0] < n:
         buf = _workspace[key] = torch.empty((max(n, 64), *cache.shape[1:]), dtype=cache.dtype, device=cache.device)
