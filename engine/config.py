@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 _DTYPES = ("float32", "bfloat16", "float16")
 _POLICIES = ("fcfs", "priority")
@@ -56,7 +56,6 @@ class EngineConfig:
     num_threads: int | None = None
     seed: int = 0
     cache_dir: str | None = None
-    extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from engine import EngineConfig, LLMEngine
 from engine.loader import resolve_model_dir
@@ -30,9 +29,3 @@ def tiny_engine_factory(tiny_llama_dir):
 
     return make
 
-
-@pytest.fixture(autouse=True)
-def _threads():
-    # The engine pins torch's threads; keep the tests on the machine's 2 cores whatever ran before.
-    yield
-    torch.set_num_threads(max(1, torch.get_num_threads()))
