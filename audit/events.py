@@ -26,6 +26,7 @@ AUDIT_EXPORTED = "audit.exported"
 AUDIT_PURGED = "audit.purged"
 RETENTION_RECORD_READ = "retention.record_read"
 RETENTION_KEY_SHREDDED = "retention.key_shredded"
+RETENTION_PURGED = "retention.purged"
 SERVICE_STARTED = "service.started"
 SERVICE_STOPPED = "service.stopped"
 
@@ -39,6 +40,9 @@ EVENT_FIELDS: dict[str, frozenset[str]] = {
     REQUEST_FINISHED: frozenset({
         *_REQUEST_COMMON, "num_completion_tokens", "num_cached_tokens", "latency_ms", "ttft_ms",
         "finish_reason", "finish_reasons", "status_code", "is_stream", "is_aborted",
+        # Determinism receipt (what ``kvgate replay`` needs besides the prompt itself):
+        "kind", "system_fingerprint", "token_hashes", "num_choices", "max_tokens", "temperature", "top_p",
+        "top_k", "seed", "stop", "arrival_step",
     }),
     ADMIN_ACTION: frozenset({"action", "target_type", "target_id", "before", "after", "status_code"}),
     POLICY_VERSION_CREATED: frozenset({"version", "previous_version", "before", "after", "comment"}),
@@ -51,8 +55,9 @@ EVENT_FIELDS: dict[str, frozenset[str]] = {
     AUDIT_EXPORTED: frozenset({"since", "until", "tenant", "format", "num_events", "first_seq", "last_seq",
                                "manifest_sha256"}),
     AUDIT_PURGED: frozenset({"before", "cut_seq", "num_deleted"}),
-    RETENTION_RECORD_READ: frozenset({"record_id"}),
+    RETENTION_RECORD_READ: frozenset({"record_id", "reason"}),
     RETENTION_KEY_SHREDDED: frozenset({"num_records"}),
+    RETENTION_PURGED: frozenset({"num_deleted"}),
     SERVICE_STARTED: frozenset({"version", "pid"}),
     SERVICE_STOPPED: frozenset({"pid"}),
 }

@@ -38,7 +38,7 @@ _SUBSTITUTIONS: tuple[tuple[re.Pattern[str], str], ...] = (
     (re.compile(r"\bhf_[A-Za-z0-9]{30,}"), "[REDACTED:hf-token]"),
     (re.compile(r"[A-Za-z0-9._%+\-]+@[A-Za-z0-9\-]+(?:\.[A-Za-z0-9\-]+)*\.[A-Za-z]{2,}"), "[REDACTED:email]"),
 )
-_CARD_RE = re.compile(r"(?<![0-9])(?:[0-9][ \-]?){12,18}[0-9](?![0-9])")
+_CARD_RE = re.compile(r"(?<![0-9A-Za-z])(?:[0-9][ \-]?){12,18}[0-9](?![0-9A-Za-z])")
 
 
 def is_luhn_valid(digits: str) -> bool:
@@ -82,3 +82,18 @@ def _scrub_value(text: str, value: str) -> str:
 def is_card_number(value: int) -> bool:
     digits = str(abs(value))
     return 13 <= len(digits) <= 19 and is_luhn_valid(digits)
+
+
+_DIGEST_RE = re.compile(r"(?:fp_)?[0-9a-f]{16,128}")
+_DIGEST_SUFFIXES = ("_hash", "_hashes", "_fingerprint")
+
+
+def is_digest_field(key: str, value: object) -> bool:
+    """Whether ``value`` is a hex digest (or a list of them) under a digest-named key (``prompt_hash``,
+    ``token_hashes``, ``system_fingerprint``). Such values skip scrubbing: a random digest can hold a
+    Luhn-valid digit run or a short prompt's letters by chance, and scrubbing would corrupt a receipt.
+    Only pure hex qualifies, so nothing else can hide under such a key."""
+    if not key.endswith(_DIGEST_SUFFIXES):
+        return False
+    values = value if isinstance(value, list) else [value]
+    return bool(values) and all(isinstance(v, str) and _DIGEST_RE.fullmatch(v) for v in values)

@@ -11,7 +11,7 @@ from typing import Any
 import orjson
 
 from audit.context import get_sensitive
-from audit.patterns import REDACTED, is_card_number, scrub_text
+from audit.patterns import REDACTED, is_card_number, is_digest_field, scrub_text
 
 # Keys whose values are user content: never logged, replaced by {"len", "hmac"}.
 CONTENT_KEYS = frozenset({
@@ -33,7 +33,10 @@ DEFAULT_ALLOWED_KEYS = frozenset({
     "status_code", "http_version", "client", "reason", "error", "error_type", "finish_reason",
     "determinism", "policy_version", "seq", "count", "duration_ms", "latency_ms", "ttft_ms", "prompt_hash",
     "action", "target", "target_id", "scopes", "version", "host", "port", "pid", "device", "dtype",
-    "num_blocks", "attempt", "url", "db", "revision", "headers",
+    "num_blocks", "attempt", "url", "db", "revision", "headers", "event_name",
+    # request.finished's determinism receipt:
+    "kind", "system_fingerprint", "token_hashes", "temperature", "top_p", "top_k", "seed", "stop",
+    "arrival_step",
 })
 ALLOWED_PREFIXES = ("num_", "is_", "max_", "min_")
 ALLOWED_SUFFIXES = ("_ms", "_s", "_bytes", "_count", "_id", "_ids", "_seq")
@@ -67,7 +70,7 @@ class Redactor:
             elif _is_secret_key(key):
                 out[key] = REDACTED
             elif self.is_allowed(key):
-                out[key] = self.scrub(value, sensitive)
+                out[key] = value if is_digest_field(key, value) else self.scrub(value, sensitive)
             else:
                 out[key] = NOT_ALLOWED
         return out

@@ -10,6 +10,8 @@ once, even to a holder of the master key and of database backups taken afterward
 
 from __future__ import annotations
 
+import base64
+import binascii
 import os
 import secrets
 from dataclasses import dataclass
@@ -20,7 +22,7 @@ from typing import Any
 import orjson
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
-from sqlalchemy import delete, insert, select
+from sqlalchemy import delete, func, insert, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
@@ -28,6 +30,7 @@ from audit.keys import _load_or_create
 from audit.tables import retained_prompts, tenant_data_keys
 
 MASTER_KEY_FILE = "retention_master.key"
+MASTER_KEY_ENV = "KVGATE_RETENTION_MASTER_KEY"
 _NONCE = 12
 
 
@@ -41,11 +44,23 @@ class RetainedRecord:
     tenant_id: str
     request_id: str | None
     created_at: datetime
+    expires_at: datetime
     prompt: Any
     completion: Any
 
-    def __repr__(self) -> str:  # lengths only, never content
+    def __repr__(self) -> str:  # ids only, never content
         return f"RetainedRecord(id={self.id!r}, tenant_id={self.tenant_id!r})"
+
+
+@dataclass(frozen=True, slots=True)
+class RecordInfo:
+    """A retained record's metadata: what a listing may show without decrypting anything."""
+
+    id: str
+    tenant_id: str
+    request_id: str | None
+    created_at: datetime
+    expires_at: datetime
 
 
 def load_or_create_master_key(data_dir: Path) -> bytes:
@@ -53,6 +68,29 @@ def load_or_create_master_key(data_dir: Path) -> bytes:
     if len(key) != 32:
         raise ValueError(f"{data_dir / MASTER_KEY_FILE} must hold exactly 32 bytes")
     return key
+
+
+def parse_master_key(text: str) -> bytes:
+    """A 32-byte master key given as 64 hex digits or as (URL-safe) base64.
+
+    Raises:
+        ValueError: Not 32 bytes in either encoding (the message never echoes the value).
+    """
+    text = text.strip()
+    try:
+        key = bytes.fromhex(text) if len(text) == 64 else base64.urlsafe_b64decode(
+            text.replace("+", "-").replace("/", "_") + "=" * (-len(text) % 4))
+    except (ValueError, binascii.Error):
+        key = b""
+    if len(key) != 32:
+        raise ValueError(f"{MASTER_KEY_ENV} must be 32 bytes as 64 hex digits or base64")
+    return key
+
+
+def resolve_master_key(data_dir: Path, configured: str | None = None) -> bytes:
+    """The configured key (settings or ``$KVGATE_RETENTION_MASTER_KEY``), else the data dir's key file."""
+    value = configured or os.environ.get(MASTER_KEY_ENV)
+    return parse_master_key(value) if value else load_or_create_master_key(data_dir)
 
 
 def _seal(key: bytes, plaintext: bytes, aad: bytes) -> bytes:
@@ -112,17 +150,18 @@ class RetentionStore:
                 ciphertext=_seal(dek, body, f"{tenant_id}/{record_id}".encode())))
         return record_id
 
-    async def get(self, tenant_id: str, record_id: str) -> RetainedRecord:
-        """Decrypt one record of ``tenant_id``.
+    async def get(self, tenant_id: str, record_id: str, now: datetime | None = None) -> RetainedRecord:
+        """Decrypt one record of ``tenant_id``; an expired record is unreadable even before a purge.
 
         Raises:
-            RecordUnreadable: Unknown record, another tenant's record, or a shredded data key.
+            RecordUnreadable: Unknown, expired or another tenant's record, or a shredded data key.
         """
         async with self.engine.connect() as conn:
             row = (await conn.execute(select(retained_prompts).where(
-                retained_prompts.c.id == record_id, retained_prompts.c.tenant_id == tenant_id))).first()
+                retained_prompts.c.id == record_id, retained_prompts.c.tenant_id == tenant_id,
+                retained_prompts.c.expires_at > (now or datetime.now(UTC))))).first()
         if row is None:
-            raise RecordUnreadable(record_id)
+            raise RecordUnreadable(f"{record_id}: no such record, or it expired")
         dek = await self._data_key(tenant_id, create=False)
         if dek is None:
             raise RecordUnreadable(f"{record_id}: the tenant's data key was shredded")
@@ -130,15 +169,32 @@ class RetentionStore:
             body = orjson.loads(_open(dek, row.ciphertext, f"{tenant_id}/{record_id}".encode()))
         except InvalidTag as e:
             raise RecordUnreadable(f"{record_id}: ciphertext failed authentication") from e
-        return RetainedRecord(row.id, row.tenant_id, row.request_id, row.created_at,
+        return RetainedRecord(row.id, row.tenant_id, row.request_id, row.created_at, row.expires_at,
                               body["prompt"], body["completion"])
+
+    async def list_records(self, tenant_id: str, *, limit: int = 100, before: datetime | None = None,
+                           ) -> list[RecordInfo]:
+        """Metadata of the tenant's newest records (created before ``before``), newest first."""
+        q = select(retained_prompts.c.id, retained_prompts.c.tenant_id, retained_prompts.c.request_id,
+                   retained_prompts.c.created_at, retained_prompts.c.expires_at).where(
+            retained_prompts.c.tenant_id == tenant_id)
+        if before is not None:
+            q = q.where(retained_prompts.c.created_at < before)
+        async with self.engine.connect() as conn:
+            rows = (await conn.execute(q.order_by(retained_prompts.c.created_at.desc()).limit(limit))).all()
+        return [RecordInfo(*row) for row in rows]
+
+    async def count_records(self, tenant_id: str) -> int:
+        async with self.engine.connect() as conn:
+            return (await conn.execute(select(func.count()).select_from(retained_prompts).where(
+                retained_prompts.c.tenant_id == tenant_id))).scalar_one()
 
     async def shred_tenant(self, tenant_id: str, *, delete_records: bool = True) -> int:
         """Destroy the tenant's data key (crypto-shredding); returns the number of records affected."""
         async with self.engine.begin() as conn:
             await conn.execute(delete(tenant_data_keys).where(tenant_data_keys.c.tenant_id == tenant_id))
-            count = len((await conn.execute(select(retained_prompts.c.id).where(
-                retained_prompts.c.tenant_id == tenant_id))).all())
+            count = (await conn.execute(select(func.count()).select_from(retained_prompts).where(
+                retained_prompts.c.tenant_id == tenant_id))).scalar_one()
             if delete_records:
                 await conn.execute(delete(retained_prompts).where(retained_prompts.c.tenant_id == tenant_id))
         return count

@@ -12,19 +12,26 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+from sqlalchemy import Connection, bindparam, func, insert, select, update
 from sqlalchemy import event as sa_event
 from sqlalchemy import exc as sa_exc
-from sqlalchemy import func, insert, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
 from audit import chain
 from audit.context import get_sensitive
 from audit.events import AUDIT_PURGED, AuditEvent, make_event
 from audit.keys import AuditKeys, load_or_create_keys
-from audit.patterns import scrub_text
+from audit.patterns import is_digest_field, scrub_text
 from audit.tables import audit_checkpoints, audit_events, audit_head, metadata
 
 DEFAULT_CHECKPOINT_EVERY = 1000
+# Built once: constructing a DML statement (and its cache key) costs more than executing it on SQLite.
+_INSERT_EVENT = insert(audit_events)
+_LOCK_HEAD = update(audit_head).where(audit_head.c.id == 1).values(
+    num_writes=audit_head.c.num_writes + 1).returning(
+    audit_head.c.seq, audit_head.c.link, audit_head.c.chain_hash)
+_ADVANCE_HEAD = update(audit_head).where(audit_head.c.id == 1).values(
+    seq=bindparam("new_seq"), link=bindparam("new_link"), chain_hash=bindparam("new_chain_hash"))
 _RECORD_COLUMNS = (*chain.CANONICAL_FIELDS, "link", "chain_hash")
 
 
@@ -144,15 +151,20 @@ class AuditStore:
         """
         with _fail_closed("append"):
             if conn is not None:
-                return await self._append(conn, await _lock_head(conn), event)
+                return await conn.run_sync(self.append_sync, event)
             async with self._local_lock, self.engine.begin() as own:
-                return await self._append(own, await _lock_head(own), event)
+                return await own.run_sync(self.append_sync, event)
+
+    def append_sync(self, conn: Connection, event: AuditEvent) -> Head:
+        """Chain and store one event inside the caller's synchronous transaction (it commits or rolls
+        back with the caller's other writes). Database errors propagate unwrapped."""
+        return self._append(conn, _lock_head(conn), event)
 
     async def record(self, name: str, **fields: Any) -> Head:
         """``append(make_event(name, **fields))``."""
         return await self.append(make_event(name, **fields))
 
-    async def _append(self, conn: AsyncConnection, head: Head, event: AuditEvent) -> Head:
+    def _append(self, conn: Connection, head: Head, event: AuditEvent) -> Head:
         seq = head.seq + 1
         record = self._new_record(seq, event)
         tenant_hex, body_hex, canonical = chain.link_record(record)
@@ -160,12 +172,11 @@ class AuditStore:
         chain_hash = chain.next_chain_hash(self.keys.chain_key, head.chain_hash, canonical)
         row = {**record, "data": chain.canonical_json(record["data"]).decode(), "link": link,
                "chain_hash": chain_hash}
-        await conn.execute(insert(audit_events).values(**row))
-        await conn.execute(update(audit_head).where(audit_head.c.id == 1).values(
-            seq=seq, link=link, chain_hash=chain_hash))
+        conn.execute(_INSERT_EVENT, row)
+        conn.execute(_ADVANCE_HEAD, {"new_seq": seq, "new_link": link, "new_chain_hash": chain_hash})
         new_head = Head(seq, link, chain_hash)
         if seq % self.checkpoint_every == 0:
-            await self._insert_checkpoint(conn, new_head)
+            self._insert_checkpoint(conn, new_head)
         return new_head
 
     def _new_record(self, seq: int, event: AuditEvent) -> dict[str, Any]:
@@ -179,22 +190,22 @@ class AuditStore:
         return {"seq": seq, "event_id": secrets.token_hex(16), "ts": now_ts(), "name": event.name,
                 **ids, "data": _scrub_data(data, sensitive)}
 
-    async def _insert_checkpoint(self, conn: AsyncConnection, head: Head) -> Checkpoint:
+    def _insert_checkpoint(self, conn: Connection, head: Head) -> Checkpoint:
         created_at = now_ts()
         signature = self.keys.sign(chain.checkpoint_message(head.seq, head.link, head.chain_hash, created_at))
         cp = Checkpoint(head.seq, head.link, head.chain_hash, created_at, signature)
-        await conn.execute(insert(audit_checkpoints).values(**cp.as_dict()))
+        conn.execute(insert(audit_checkpoints).values(**cp.as_dict()))
         return cp
 
     async def checkpoint(self) -> Checkpoint | None:
         """Sign the current head unless it is already checkpointed (or the chain is empty)."""
         with _fail_closed("checkpoint"):
             async with self._local_lock, self.engine.begin() as conn:
-                head = await _lock_head(conn)
+                head = await conn.run_sync(_lock_head)
                 last = (await conn.execute(select(func.max(audit_checkpoints.c.seq)))).scalar()
                 if head.seq == 0 or (last is not None and last >= head.seq):
                     return None
-                return await self._insert_checkpoint(conn, head)
+                return await conn.run_sync(self._insert_checkpoint, head)
 
     async def purge(self, before: datetime, *, actor: str | None = None) -> PurgeResult:
         """Delete the prefix of events older than ``before``, keeping a signed checkpoint at the cut.
@@ -203,7 +214,7 @@ class AuditStore:
         """
         with _fail_closed("purge"):
             async with self._local_lock, self.engine.begin() as conn:
-                head = await _lock_head(conn)
+                head = await conn.run_sync(_lock_head)
                 cut = (await conn.execute(select(func.max(audit_events.c.seq)).where(
                     audit_events.c.ts < format_ts(before)))).scalar()
                 num_deleted = 0
@@ -213,7 +224,7 @@ class AuditStore:
                     num_deleted = result.rowcount or 0
                 event = make_event(AUDIT_PURGED, actor=actor, before=format_ts(before), cut_seq=cut,
                                    num_deleted=num_deleted)
-                await self._append(conn, head, event)
+                await conn.run_sync(self._append, head, event)
                 return PurgeResult(cut, num_deleted)
 
     async def _ensure_checkpoint_at(self, conn: AsyncConnection, seq: int) -> None:
@@ -222,7 +233,7 @@ class AuditStore:
         if exists is None:
             row = (await conn.execute(select(audit_events.c.link, audit_events.c.chain_hash).where(
                 audit_events.c.seq == seq))).one()
-            await self._insert_checkpoint(conn, Head(seq, row.link, row.chain_hash))
+            await conn.run_sync(self._insert_checkpoint, Head(seq, row.link, row.chain_hash))
 
     async def head(self) -> Head:
         with _fail_closed("head"):
@@ -247,12 +258,10 @@ class AuditStore:
             cursor = rows[-1]["seq"] + 1
 
 
-async def _lock_head(conn: AsyncConnection) -> Head:
+def _lock_head(conn: Connection) -> Head:
     # The first statement is a write: PostgreSQL takes the row lock, SQLite takes its RESERVED (write)
     # lock at once, as BEGIN IMMEDIATE would. Concurrent writers wait here, so ``seq`` never forks.
-    row = (await conn.execute(update(audit_head).where(audit_head.c.id == 1).values(
-        num_writes=audit_head.c.num_writes + 1).returning(
-        audit_head.c.seq, audit_head.c.link, audit_head.c.chain_hash))).first()
+    row = conn.execute(_LOCK_HEAD).first()
     if row is None:
         raise AuditUnavailable("audit_head row missing: run migrations (0002_audit) or AuditStore.start()")
     return Head(row.seq, row.link, row.chain_hash)
@@ -260,7 +269,8 @@ async def _lock_head(conn: AsyncConnection) -> Head:
 
 def _scrub_data(value: Any, sensitive: tuple[str, ...], key: str = "") -> Any:
     if isinstance(value, str):
-        return value if key.endswith(("_hash", "_sha256")) else scrub_text(value, sensitive)
+        return value if key.endswith(("_hash", "_sha256")) or is_digest_field(key, value) else scrub_text(
+            value, sensitive)
     if isinstance(value, dict):
         return {k: _scrub_data(v, sensitive, k) for k, v in value.items()}
     if isinstance(value, list):

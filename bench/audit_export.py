@@ -1,8 +1,12 @@
-"""Benchmark: peak RSS and time of a signed audit export (and its offline verify) over N events.
+"""``kvgate bench audit``: signed-export memory and audit write throughput, each beside its naive peer.
 
-Run directly (``python -m bench.audit_export --num-events 100000``) or via ``run(...)`` from
-``kvgate bench audit``. Seeding writes correctly chained rows in bulk (the per-event append path
-is measured by the tests, not here), so only export and verify are timed and sampled.
+Peers, each in its own process (``bench.audit_peers``) so every peak RSS is that peer's own:
+  - export_stream vs load_list: the streaming signed export against the same events loaded into one
+    list and serialized in memory; peak RSS above the process's baseline is the figure to compare;
+  - verify: offline verification of the streamed bundle with only the public key;
+  - append_chained vs insert_plain: events/s through ``AuditStore.append`` (head lock, HMAC and
+    SHA-256 chain, one transaction each) against plain one-row INSERT transactions.
+Seeding writes correctly chained rows in bulk so a 100k-event trail takes seconds, not minutes.
 """
 
 from __future__ import annotations
@@ -10,48 +14,21 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import secrets
+import subprocess
+import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import orjson
-import psutil
 from sqlalchemy import insert, update
 
 from audit import chain
-from audit.export import ExportSpec, export_bundle
 from audit.store import AuditStore, Head, now_ts
 from audit.tables import audit_checkpoints, audit_events, audit_head
-from audit.verify import verify_bundle
-
-_MIB = 1 << 20
-
-
-class _PeakRss:
-    """Sample this process's RSS every few milliseconds on a thread."""
-
-    def __init__(self, interval_s: float = 0.005) -> None:
-        self._proc, self._interval = psutil.Process(os.getpid()), interval_s
-        self.peak = self._proc.memory_info().rss
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, daemon=True)
-
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            self.peak = max(self.peak, self._proc.memory_info().rss)
-            time.sleep(self._interval)
-
-    def __enter__(self) -> _PeakRss:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
+from bench.audit_peers import db_url
 
 
 def _row(seq: int, head: Head, chain_key: bytes) -> tuple[dict[str, Any], Head]:
@@ -70,9 +47,10 @@ def _row(seq: int, head: Head, chain_key: bytes) -> tuple[dict[str, Any], Head]:
 async def seed(store: AuditStore, num_events: int, *, batch: int = 2000) -> None:
     """Insert ``num_events`` valid chained events with a checkpoint every ``store.checkpoint_every``."""
     head = await store.head()
-    for start in range(head.seq + 1, head.seq + num_events + 1, batch):
+    last = head.seq + num_events  # fixed up front: ``head`` advances inside the loop
+    for start in range(head.seq + 1, last + 1, batch):
         rows, cps = [], []
-        for seq in range(start, min(start + batch, head.seq + num_events + 1)):
+        for seq in range(start, min(start + batch, last + 1)):
             row, head = _row(seq, head, store.keys.chain_key)
             rows.append(row)
             if seq % store.checkpoint_every == 0:
@@ -88,54 +66,66 @@ async def seed(store: AuditStore, num_events: int, *, batch: int = 2000) -> None
                 seq=head.seq, link=head.link, chain_hash=head.chain_hash))
 
 
-def _bundle_bytes(path: Path) -> int:
-    return path.stat().st_size if path.is_file() else sum(p.stat().st_size for p in path.iterdir())
+def _peer(name: str, work: Path, *args: object) -> dict[str, Any]:
+    proc = subprocess.run([sys.executable, "-m", "bench.audit_peers", name, str(work), *map(str, args)],
+                          capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"peer {name} failed:\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.splitlines()[-1])
 
 
-async def _run(num_events: int, work: Path, tenant: str | None, fmt: str, db_url: str | None) -> dict:
-    store = await AuditStore.open(db_url or f"sqlite+aiosqlite:///{work / 'bench.db'}", work,
-                                  create_tables=True)
+async def _seed_fresh(work: Path, num_events: int) -> float:
+    store = await AuditStore.open(db_url(work), work, create_tables=True)
     try:
         t0 = time.perf_counter()
         await seed(store, num_events)
-        seed_s = time.perf_counter() - t0
-        rss_before = psutil.Process().memory_info().rss
-        out = work / "bundle.tar"
-        with _PeakRss() as export_peak:
-            t0 = time.perf_counter()
-            manifest = await export_bundle(store, out, ExportSpec(tenant=tenant, fmt=fmt))
-            export_s = time.perf_counter() - t0
-        with _PeakRss() as verify_peak:
-            t0 = time.perf_counter()
-            result = verify_bundle(out, store.keys.public_key)
-            verify_s = time.perf_counter() - t0
+        return time.perf_counter() - t0
     finally:
         await store.close()
-    return {"num_events": num_events, "num_exported": manifest["counts"]["events"], "tenant": tenant,
-            "format": fmt, "seed_s": round(seed_s, 2), "export_s": round(export_s, 2),
-            "export_events_per_s": round(manifest["counts"]["chain"] / export_s),
-            "verify_s": round(verify_s, 2), "verify_ok": result.ok,
-            "bundle_mib": round(_bundle_bytes(out) / _MIB, 1),
-            "rss_before_mib": round(rss_before / _MIB, 1),
-            "peak_rss_export_mib": round(export_peak.peak / _MIB, 1),
-            "peak_rss_export_delta_mib": round((export_peak.peak - rss_before) / _MIB, 1),
-            "peak_rss_verify_delta_mib": round((verify_peak.peak - rss_before) / _MIB, 1)}
 
 
-def run(num_events: int = 100_000, *, tenant: str | None = None, fmt: str = "jsonl",
-        db_url: str | None = None, workdir: Path | None = None) -> dict:
-    """Seed a fresh audit DB (SQLite in a temp dir unless ``db_url``), export, verify; return metrics."""
+def _ratios(peers: dict[str, dict[str, Any]]) -> dict[str, float]:
+    def ratio(a: float, b: float) -> float:
+        return round(a / b, 2) if b else float("inf")
+
+    stream, naive = peers["export_stream"], peers["load_list"]
+    return {
+        "load_list / export_stream peak RSS delta": ratio(naive["peak_rss_delta_mib"],
+                                                          stream["peak_rss_delta_mib"]),
+        "load_list / export_stream peak RSS": ratio(naive["peak_rss_mib"], stream["peak_rss_mib"]),
+        "insert_plain / append_chained events/s": ratio(peers["insert_plain"]["events_per_s"],
+                                                        peers["append_chained"]["events_per_s"]),
+    }
+
+
+def run(num_events: int = 100_000, *, num_writes: int = 2000, workdir: Path | None = None) -> dict[str, Any]:
+    """Seed a fresh SQLite audit trail of ``num_events``, run every peer, return results and ratios."""
     with tempfile.TemporaryDirectory(prefix="kvgate-bench-audit-", dir=workdir) as tmp:
-        return asyncio.run(_run(num_events, Path(tmp), tenant, fmt, db_url))
+        work = Path(tmp)
+        seed_s = asyncio.run(_seed_fresh(work, num_events))
+        peers = {name: _peer(name, work) for name in ("load_list", "export_stream", "verify")}
+        peers["append_chained"] = _peer("append_chained", work, num_writes)
+        peers["insert_plain"] = _peer("insert_plain", work, num_writes)
+    return {"num_events": num_events, "num_writes": num_writes, "seed_s": round(seed_s, 2),
+            "database": "sqlite (WAL)", "peers": peers, "ratios": _ratios(peers)}
+
+
+def format_table(result: dict[str, Any]) -> str:
+    """The results as a Markdown table plus the ratios."""
+    cols = ("num_events", "seconds", "events_per_s", "bytes_mib", "peak_rss_mib", "peak_rss_delta_mib")
+    lines = ["| peer | " + " | ".join(cols) + " |", "|---|" + "---:|" * len(cols)]
+    for name, row in result["peers"].items():
+        lines.append(f"| {name} | " + " | ".join(str(row.get(c, "")) for c in cols) + " |")
+    lines += ["", *(f"{k}: {v}x" for k, v in result["ratios"].items())]
+    return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--num-events", type=int, default=100_000)
-    parser.add_argument("--tenant")
-    parser.add_argument("--format", default="jsonl", choices=["jsonl", "csv"])
+    parser.add_argument("--num-writes", type=int, default=2000)
     args = parser.parse_args()
-    print(json.dumps(run(args.num_events, tenant=args.tenant, fmt=args.format), indent=2))
+    print(format_table(run(args.num_events, num_writes=args.num_writes)))
 
 
 if __name__ == "__main__":

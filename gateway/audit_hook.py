@@ -3,22 +3,32 @@
 Events (``name`` → fields; never prompts, completions or secrets):
     auth.success / auth.failure     key_id, tenant_id, kind, reason, path
     request.admitted                request_id, tenant_id, key_id, model, num_prompt_tokens,
-                                    num_reserved_tokens, max_tokens, priority, determinism
+                                    prompt_hash, num_reserved_tokens, max_tokens, priority, determinism
     request.rejected                request_id, tenant_id, key_id, code, status
-    request.finished                request_id, tenant_id, key_id, finish_reason, num_prompt_tokens,
-                                    num_completion_tokens, num_cached_tokens, is_aborted
+    request.finished                request_id, tenant_id, key_id, finish_reasons, num_prompt_tokens,
+                                    num_completion_tokens, num_cached_tokens, is_aborted, and the
+                                    determinism receipt (gateway/services/receipts.py): kind, model,
+                                    determinism, system_fingerprint, prompt_hash, num_choices,
+                                    max_tokens, temperature, top_p, top_k, seed, stop, arrival_step,
+                                    token_hashes (fixed/batch_invariant)
     admin.<action>                  actor (admin token id or "cli"), tenant_id, key_id, version, ...
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import structlog
+from sqlalchemy import Connection
 
 AuditSink = Callable[[str, Mapping[str, Any]], Awaitable[None] | None]
+TxnStep = Callable[[Connection], None]
+# Makes an event into a step that appends it inside a caller's synchronous database transaction.
+TxnSink = Callable[[str, Mapping[str, Any]], TxnStep]
+TxnRun = Callable[[TxnStep], Awaitable[None]]
 
 log = structlog.get_logger("kvgate.audit")
 
@@ -35,20 +45,56 @@ class AuditUnavailableError(Exception):
 class AuditHook:
     """Calls the configured sink. Fails closed: a sink error raises ``AuditUnavailableError``, except for
     events emitted with ``required=False`` (after the work is done, e.g. ``request.finished``), which are
-    logged instead because there is nothing left to refuse."""
+    logged instead because there is nothing left to refuse.
+
+    With a transactional sink (the audit store on the gateway's own database) an event can also join the
+    transaction that does the work it records (``step``): the quota reservation and its
+    ``request.admitted`` event then commit together or not at all, in one database round trip.
+    """
 
     def __init__(self, sink: AuditSink | None = None) -> None:
         self._sink = sink or log_sink
+        self._txn_sink: TxnSink | None = None
+        self._txn_run: TxnRun | None = None
 
     def set_sink(self, sink: AuditSink) -> None:
         self._sink = sink
+        self._txn_sink = self._txn_run = None
+
+    def set_txn_sink(self, txn_sink: TxnSink, run: TxnRun) -> None:
+        """Record every event inside a database transaction: ``run`` executes a lone step in its own."""
+        self._txn_sink, self._txn_run = txn_sink, run
 
     async def emit(self, name: str, *, required: bool = True, **fields: Any) -> None:
-        try:
+        with _failing_closed(name, required):
+            if self._txn_sink is not None and self._txn_run is not None:
+                await self._txn_run(self._txn_sink(name, fields))
+                return
             result = self._sink(name, fields)
             if inspect.isawaitable(result):
                 await result
-        except Exception as e:
-            log.error("audit.sink_failed", event_name=name, error_type=type(e).__name__)
-            if required:
-                raise AuditUnavailableError(name) from e
+
+    def step(self, name: str, **fields: Any) -> TxnStep | None:
+        """The event as a step for the caller's transaction, or ``None`` when the sink cannot join one
+        (then ``emit`` it). The step raises ``AuditUnavailableError`` on failure, which must abort the
+        transaction: the event is always required."""
+        if self._txn_sink is None:
+            return None
+        with _failing_closed(name, True):
+            append = self._txn_sink(name, fields)
+
+        def run(conn: Connection) -> None:
+            with _failing_closed(name, True):
+                append(conn)
+
+        return run
+
+
+@contextmanager
+def _failing_closed(name: str, required: bool) -> Iterator[None]:
+    try:
+        yield
+    except Exception as e:
+        log.error("audit.sink_failed", event_name=name, error_type=type(e).__name__)
+        if required:
+            raise AuditUnavailableError(name) from e

@@ -63,6 +63,24 @@ def bootstrap(
     typer.echo(token)
 
 
+@admin_app.command("create-token")
+def create_token(
+    name: Annotated[str, typer.Argument(help="A label for the token.")],
+    scope: Annotated[
+        list[str] | None,
+        typer.Option("--scope", help=f"Extra privilege, repeatable: {', '.join(sorted(keys.ADMIN_SCOPES))}."),
+    ] = None,
+    data_dir: DataDirOpt = None,
+    db_url: DbUrlOpt = None,
+) -> None:
+    """Issue another admin token and print it once; only a --scope retention:read token reads prompts."""
+    scopes = frozenset(scope or ())
+    if not scopes <= keys.ADMIN_SCOPES:
+        unknown = sorted(scopes - keys.ADMIN_SCOPES)
+        raise typer.BadParameter(f"unknown scope(s) {unknown}", param_hint="--scope")
+    typer.echo(_with_session(data_dir, db_url, lambda s, h, st: keys.create_admin_token(s, h, name, scopes)))
+
+
 @admin_app.command("create-tenant")
 def create_tenant(name: str, data_dir: DataDirOpt = None, db_url: DbUrlOpt = None) -> None:
     """Create a tenant with the default policy."""

@@ -10,8 +10,10 @@ from typing import Annotated
 
 import typer
 
+from audit.events import RETENTION_KEY_SHREDDED, RETENTION_PURGED
 from audit.export import ExportSpec, export_bundle
 from audit.keys import PUBLIC_KEY_FILE, load_or_create_keys, load_public_key
+from audit.retention import RetentionStore, resolve_master_key
 from audit.store import AuditStore, AuditUnavailable
 from audit.verify import verify_bundle
 from gateway.cli import app
@@ -111,6 +113,53 @@ def purge_cmd(
         typer.echo(f"purge failed: {e}", err=True)
         raise typer.Exit(2) from e
     typer.echo(f"purged {result.num_deleted} events (through seq {result.cut_seq})")
+
+
+async def _shred(store: AuditStore, data_dir: Path, tenant_id: str) -> int:
+    retention = RetentionStore(store.engine, resolve_master_key(data_dir))
+    # Recorded first: a shred that cannot be audited does not happen.
+    await store.record(RETENTION_KEY_SHREDDED, actor="cli", tenant_id=tenant_id,
+                       num_records=await retention.count_records(tenant_id))
+    return await retention.shred_tenant(tenant_id)
+
+
+async def _purge_retention(store: AuditStore, data_dir: Path) -> int:
+    num_deleted = await RetentionStore(store.engine, resolve_master_key(data_dir)).purge_expired()
+    if num_deleted:
+        await store.record(RETENTION_PURGED, actor="cli", num_deleted=num_deleted)
+    return num_deleted
+
+
+@audit_app.command("shred-tenant")
+def shred_tenant_cmd(
+    tenant_id: Annotated[str, typer.Argument(help="Tenant whose retained prompts become unreadable.")],
+    yes: Annotated[bool, typer.Option("--yes", help="Confirm: this cannot be undone.")] = False,
+    data_dir: DataDir = None,
+    db_url: DbUrl = None,
+) -> None:
+    """Crypto-shred a tenant's retained prompts: delete its data key (and the records); audited."""
+    if not yes:
+        typer.echo("refusing without --yes: shredded records can never be read again", err=True)
+        raise typer.Exit(2)
+    data, url = _resolve(data_dir, db_url)
+    try:
+        num = asyncio.run(_with_store(data, url, lambda s: _shred(s, data, tenant_id)))
+    except AuditUnavailable as e:
+        typer.echo(f"shred failed: {e}", err=True)
+        raise typer.Exit(2) from e
+    typer.echo(f"shredded tenant {tenant_id}'s data key: {num} retained records unreadable and deleted")
+
+
+@audit_app.command("purge-retention")
+def purge_retention_cmd(data_dir: DataDir = None, db_url: DbUrl = None) -> None:
+    """Delete expired retained prompt records (expired ones are already unreadable)."""
+    data, url = _resolve(data_dir, db_url)
+    try:
+        num = asyncio.run(_with_store(data, url, lambda s: _purge_retention(s, data)))
+    except AuditUnavailable as e:
+        typer.echo(f"purge failed: {e}", err=True)
+        raise typer.Exit(2) from e
+    typer.echo(f"purged {num} expired retained records")
 
 
 @audit_app.command("public-key")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Annotated
+from typing import IO, Annotated, Any
 
 import structlog
 import typer
@@ -14,13 +14,28 @@ from gateway.cli.common import DataDirOpt, DbUrlOpt, build_settings, run
 from gateway.settings import Settings
 
 
-def _configure_logging(settings: Settings) -> None:
+def configure_serve_logging(settings: Settings, stream: IO[bytes] | None = None) -> None:
+    """One redacting structlog chain for the process; stdlib loggers (engine, uvicorn, litestar) join it."""
     try:
         from audit.logging import configure_logging
     except ImportError:  # the audit package is optional at this layer
         return
-    configure_logging(json=settings.log_json, level="INFO")
+    configure_logging(json=settings.log_json, level="INFO", stream=stream)
     logging.getLogger("alembic").setLevel(logging.WARNING)
+
+
+def uvicorn_options(settings: Settings) -> dict[str, Any]:
+    """``uvicorn.run`` options besides TLS. ``log_config=None``: uvicorn's default dictConfig would give
+    its loggers plain-text handlers of their own, bypassing redaction; they propagate to root instead."""
+    return {
+        "host": settings.host,
+        "port": settings.port,
+        "log_config": None,
+        "log_level": "warning",
+        "access_log": False,
+        "lifespan": "on",
+        "timeout_graceful_shutdown": 5,
+    }
 
 
 def _tls_kwargs(settings: Settings) -> dict[str, str]:
@@ -78,19 +93,10 @@ def serve(
         dtype=dtype,
         device=device,
     )
-    _configure_logging(settings)
+    configure_serve_logging(settings)
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     run(lambda: migrate.upgrade(settings.database_url))
     tls = _tls_kwargs(settings)
     scheme = "http" if settings.insecure_http else "https"
     typer.echo(f"kvgate serving on {scheme}://{settings.host}:{settings.port}", err=True)
-    uvicorn.run(
-        create_app(settings),
-        host=settings.host,
-        port=settings.port,
-        log_level="warning",
-        access_log=False,
-        lifespan="on",
-        timeout_graceful_shutdown=5,
-        **tls,
-    )
+    uvicorn.run(create_app(settings), **uvicorn_options(settings), **tls)

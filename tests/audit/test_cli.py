@@ -50,3 +50,58 @@ def test_export_verify_purge(data_dir: Path) -> None:
     assert res.exit_code == 1 and "FAILED at events.csv" in res.output, res.output
     res = runner.invoke(app, ["audit", "public-key"])
     assert res.exit_code == 0 and "BEGIN PUBLIC KEY" in res.output and "SHA256:" in res.output
+
+
+async def _retain(data_dir: Path) -> str:
+    from datetime import UTC, datetime
+
+    from sqlalchemy import update
+
+    from audit.retention import RetentionStore, resolve_master_key
+    from audit.store import make_audit_engine
+    from audit.tables import retained_prompts
+
+    engine = make_audit_engine(f"sqlite+aiosqlite:///{data_dir / 'kvgate.db'}")
+    store = RetentionStore(engine, resolve_master_key(data_dir))
+    try:
+        kept = await store.put("t1", "prompt", ["completion"], retain_days=7)
+        short = await store.put("t2", "prompt", ["completion"], retain_days=1)
+        await store.get("t1", kept)
+        async with engine.begin() as conn:
+            await conn.execute(update(retained_prompts).where(retained_prompts.c.id == short).values(
+                expires_at=datetime.now(UTC)))
+    finally:
+        await engine.dispose()
+    return kept
+
+
+async def _after(data_dir: Path, kept: str) -> tuple[list[str], int]:
+    from sqlalchemy import func, select
+
+    from audit.retention import RecordUnreadable, RetentionStore, resolve_master_key
+    from audit.tables import audit_events, retained_prompts
+
+    store = await AuditStore.open(f"sqlite+aiosqlite:///{data_dir / 'kvgate.db'}", data_dir)
+    try:
+        with pytest.raises(RecordUnreadable):
+            await RetentionStore(store.engine, resolve_master_key(data_dir)).get("t1", kept)
+        async with store.engine.connect() as conn:
+            q = select(audit_events.c.name).where(audit_events.c.actor == "cli")
+            names = (await conn.execute(q)).all()
+            left = (await conn.execute(select(func.count()).select_from(retained_prompts))).scalar_one()
+    finally:
+        await store.close()
+    return [n for (n,) in names], left
+
+
+def test_shred_tenant_and_purge_retention(data_dir: Path) -> None:
+    runner = CliRunner()
+    kept = asyncio.run(_retain(data_dir))
+    res = runner.invoke(app, ["audit", "shred-tenant", "t1"])
+    assert res.exit_code == 2 and "--yes" in res.output
+    res = runner.invoke(app, ["audit", "shred-tenant", "t1", "--yes"])
+    assert res.exit_code == 0 and "1 retained records unreadable" in res.output, res.output
+    res = runner.invoke(app, ["audit", "purge-retention"])
+    assert res.exit_code == 0 and "purged 1 expired" in res.output, res.output
+    names, left = asyncio.run(_after(data_dir, kept))
+    assert names == ["retention.key_shredded", "retention.purged"] and left == 0

@@ -123,3 +123,9 @@ def test_console_renderer_and_level_filter() -> None:
     structlog.get_logger().warning("shown", prompt=CANARY, key_id="k")
     out = buf.getvalue().decode()
     assert "hidden" not in out and "shown" in out and CANARY not in out
+
+
+def test_digit_runs_inside_identifiers_are_not_card_numbers():
+    # A random hex id once carried the Luhn-valid run 895105932090710 and was mangled in an audit record.
+    assert scrub_text("record 1cd895105932090710ceaf1b41f72004") == "record 1cd895105932090710ceaf1b41f72004"
+    assert scrub_text("card 4111 1111 1111 1111.") == "card [REDACTED:card]."
