@@ -17,6 +17,7 @@ from litestar.plugins import InitPluginProtocol
 from gateway.audit_hook import AuditHook, AuditSink
 from gateway.auth import PUBLIC_PATHS, ApiKeyAuthMiddleware
 from gateway.controllers.admin import AdminController
+from gateway.controllers.audit import AuditController
 from gateway.controllers.health import healthz, metrics, readyz
 from gateway.controllers.openai import OpenAIController
 from gateway.deps import provide_principal, provide_runtime, provide_session
@@ -44,7 +45,9 @@ class GatewayPlugin(InitPluginProtocol):
         return app_config
 
     def _configure_routes(self, cfg: AppConfig) -> None:
-        cfg.route_handlers.extend([OpenAIController, AdminController, healthz, readyz, metrics])
+        cfg.route_handlers.extend(
+            [OpenAIController, AdminController, AuditController, healthz, readyz, metrics]
+        )
 
     def _configure_dependencies(self, cfg: AppConfig) -> None:
         cfg.state = State({"runtime": self.runtime})
@@ -94,8 +97,11 @@ def create_app(
     """
     runtime = Runtime(settings or get_settings(), AuditHook(audit_sink), engine=engine)
     # NOTE: passed to the constructor because Litestar ignores request_max_body_size set by plugins.
+    # logging_config=None: Litestar's default would dictConfig the root logger with a plain-text
+    # handler, bypassing the one redacting chain that audit.logging.configure_logging installs.
     return Litestar(
         plugins=[GatewayPlugin(runtime, has_custom_sink=audit_sink is not None)],
         debug=debug,
         request_max_body_size=runtime.settings.max_body_bytes,
+        logging_config=None,
     )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from litestar.connection import ASGIConnection
 from litestar.handlers.base import BaseRouteHandler
 
@@ -21,3 +23,16 @@ def requires_admin(connection: ASGIConnection, _: BaseRouteHandler) -> None:
     principal: Principal | None = connection.scope.get("user")
     if principal is None or not principal.is_admin:
         raise Forbidden("This endpoint needs an admin token.", code="admin_token_required")
+
+
+def requires_scope(scope: str) -> Callable[[ASGIConnection, BaseRouteHandler], None]:
+    """A guard that admits only admin tokens issued with ``scope`` (on top of ``requires_admin``)."""
+
+    def guard(connection: ASGIConnection, _: BaseRouteHandler) -> None:
+        principal: Principal | None = connection.scope.get("user")
+        if principal is None or not principal.has_scope(scope):
+            raise Forbidden(
+                f"This endpoint needs an admin token with the '{scope}' scope.", code="scope_required"
+            )
+
+    return guard

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -9,13 +11,17 @@ import structlog
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker
 
+from audit.retention import RetentionStore, resolve_master_key
 from gateway.audit_hook import AuditHook
 from gateway.metrics import GatewayMetrics
 from gateway.openai_format import TokenText
 from gateway.secrets import Hasher, load_or_create_pepper
 from gateway.services.quota import QuotaService
+from gateway.services.receipts import prompt_ids_hash
+from gateway.services.slots import Slots
 from gateway.settings import Settings
 from gateway.storage.db import make_db_engine, make_sessionmaker
+from gateway.storage.txn import TxnRunner
 
 log = structlog.get_logger()
 
@@ -34,25 +40,40 @@ class Runtime:
     audit_store: Any = None
     db: AsyncEngine = field(init=False)
     sessionmaker: async_sessionmaker = field(init=False)
+    txn: TxnRunner = field(init=False)
     hasher: Hasher = field(init=False)
     quota: QuotaService = field(init=False)
     metrics: GatewayMetrics = field(init=False)
     token_text: TokenText = field(init=False)
+    retention: RetentionStore = field(init=False)
+    _lease_task: asyncio.Task | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         self.db = make_db_engine(self.settings.database_url, null_pool=self.settings.db_null_pool)
         self.sessionmaker = make_sessionmaker(self.db)
         self.hasher = Hasher(load_or_create_pepper(self.settings.data_dir))
-        self.quota = QuotaService(self.sessionmaker, self.db.dialect.name)
+        master = self.settings.retention_master_key
+        self.retention = RetentionStore(
+            self.db, resolve_master_key(self.settings.data_dir, master.get_secret_value() if master else None)
+        )
+        self.txn = TxnRunner(self.db, is_durable=self.settings.durable_commits)
+        self.quota = QuotaService(self.txn, Slots(lease_s=self.settings.inflight_lease_s))
         self.metrics = GatewayMetrics(lambda: self.engine)
 
     async def start(self, *, has_custom_sink: bool) -> None:
         if self.settings.audit_enabled and not has_custom_sink:
-            from audit.sink import store_sink
+            from audit.sink import store_sink, store_txn_sink
             from audit.store import AuditStore
 
             self.audit_store = await AuditStore.open(self.settings.database_url, self.settings.data_dir)
             self.audit.set_sink(store_sink(self.audit_store))
+            # Same database: events commit inside the transactions that do the work they record.
+            self.audit.set_txn_sink(store_txn_sink(self.audit_store), self.txn.run)
+        await self.quota.heartbeat(time.time())
+        self._lease_task = asyncio.create_task(self._keep_lease())
+        num_purged = await self.retention.purge_expired()
+        if num_purged:
+            await self.audit.emit("retention.purged", required=False, actor="system", num_deleted=num_purged)
         self._start_engine()
 
     def _start_engine(self) -> None:
@@ -65,14 +86,40 @@ class Runtime:
             log.info("engine.started", model=self.engine.model_name, max_model_len=self.engine.max_model_len)
         self.token_text = TokenText(self.engine.tokenizer)
 
+    async def _keep_lease(self) -> None:
+        """Renew this instance's in-flight lease three times per lease period until stopped."""
+        while True:
+            await asyncio.sleep(self.settings.inflight_lease_s / 3)
+            try:
+                await self.quota.heartbeat(time.time())
+            except Exception as e:  # noqa: BLE001  (the database may be away for a moment: retry)
+                log.warning("lease.renew_failed", error_type=type(e).__name__)
+
     async def stop(self) -> None:
+        if self._lease_task is not None:
+            self._lease_task.cancel()
+            self._lease_task = None
         if self.owns_engine and self.engine is not None:
             self.engine.shutdown()
             self.engine = None
         if self.audit_store is not None:
             await self.audit_store.close()
             self.audit_store = None
+        try:
+            await self.quota.release_all()
+        except Exception as e:  # noqa: BLE001  (the lease lapses by itself)
+            log.warning("lease.release_failed", error_type=type(e).__name__)
+        await self.txn.close()
         await self.db.dispose()
+
+    def prompt_hash(self, token_ids: list[int]) -> str | None:
+        """Keyed hash of a prompt's token ids for audit events: equal prompts correlate, text never shows.
+
+        ``None`` when events do not go to the audit store (it holds the key).
+        """
+        if self.audit_store is None:
+            return None
+        return prompt_ids_hash(self.audit_store.keys, token_ids)
 
     async def is_db_ready(self) -> bool:
         try:

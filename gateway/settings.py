@@ -6,7 +6,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pydantic import Field
+from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from gateway.storage.db import default_db_url, normalize_db_url
@@ -36,7 +36,14 @@ class Settings(BaseSettings):
         max_body_bytes: Largest accepted request body.
         default_policy: Policy given to new tenants (JSON in ``KVGATE_DEFAULT_POLICY``).
         audit_enabled: Chain audit events into the audit store (same database); off logs them instead.
+        inflight_lease_s: How long a gateway's concurrency slots outlive its last heartbeat (it renews
+            three times per lease); a crashed gateway's in-flight requests stop counting after that.
+        durable_commits: Wait for the disk when committing an admission (its reservation and audit
+            event) before any engine work. Off, an OS crash or power loss may lose the last commits
+            (never a crash of this process; PostgreSQL's ``synchronous_commit=off`` trade-off).
         db_null_pool: Open a database connection per session instead of pooling (PgBouncer; tests).
+        retention_master_key: Wraps the per-tenant prompt-retention data keys (32 bytes as hex or base64);
+            ``None`` uses (or creates) ``retention_master.key`` in ``data_dir``.
         log_json: Emit JSON logs.
     """
 
@@ -59,6 +66,9 @@ class Settings(BaseSettings):
     default_policy: Policy = Field(default_factory=Policy)
     db_null_pool: bool = False
     audit_enabled: bool = True
+    retention_master_key: SecretStr | None = None
+    durable_commits: bool = True
+    inflight_lease_s: float = Field(default=30.0, ge=3.0)
     log_json: bool = True
 
     @property

@@ -9,14 +9,17 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from audit.context import bind_request_context, register_sensitive
 from engine import SamplingParams
 from engine.errors import InvalidRequestError
 from gateway.audit_hook import AuditUnavailableError
 from gateway.errors import InvalidRequest, NotFound, PolicyViolation
 from gateway.runtime import Runtime
 from gateway.schemas.openai import ChatCompletionRequest, CompletionRequest
+from gateway.services import retention
 from gateway.services.keys import Principal
 from gateway.services.quota import Reservation
+from gateway.services.ratelimit import RateLimitInfo
 from gateway.services.tenants import current_policy
 from policies import Decision, Policy, RequestContext, evaluate
 
@@ -38,6 +41,13 @@ class Admission:
     reservation: Reservation
     headers: dict[str, str]
     created: int
+    # Prompt retention (the tenant's policy): days to keep it, and what to keep; 0 and None when off.
+    retain_days: int = 0
+    retained_prompt: Any = None
+    # Receipts: the keyed prompt hash (``None`` when events are not chained into the audit store) and the
+    # engine's fingerprint for the request's determinism mode, known before the first token.
+    prompt_hash: str | None = None
+    system_fingerprint: str | None = None
 
     def __repr__(self) -> str:  # lengths only, never the prompt
         return (
@@ -46,7 +56,9 @@ class Admission:
         )
 
 
-def _chat_token_ids(tokenizer: Any, req: ChatCompletionRequest) -> list[int]:
+def chat_token_ids(tokenizer: Any, req: ChatCompletionRequest) -> list[int]:
+    """The prompt token ids of a chat request: the model's chat template with the generation prompt.
+    ``kvgate replay`` calls this too, so a replayed prompt is rendered exactly as the gateway did."""
     messages = [
         {"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages
     ]
@@ -60,7 +72,8 @@ def _chat_token_ids(tokenizer: Any, req: ChatCompletionRequest) -> list[int]:
     return list(ids["input_ids"] if not isinstance(ids, list) else ids)
 
 
-def _text_token_ids(tokenizer: Any, req: CompletionRequest) -> list[int]:
+def text_token_ids(tokenizer: Any, req: CompletionRequest) -> list[int]:
+    """The prompt token ids of a text completion: given ids as they are, text with special tokens."""
     prompt = req.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
         if max(prompt) >= len(tokenizer):
@@ -80,7 +93,7 @@ def _prompt_chars(req: ChatCompletionRequest | CompletionRequest) -> int:
 
 
 async def tokenize(tokenizer: Any, req: ChatCompletionRequest | CompletionRequest) -> list[int]:
-    fn = _chat_token_ids if isinstance(req, ChatCompletionRequest) else _text_token_ids
+    fn = chat_token_ids if isinstance(req, ChatCompletionRequest) else text_token_ids
     if _prompt_chars(req) <= _INLINE_TOKENIZE_CHARS:
         ids = fn(tokenizer, req)
     else:
@@ -98,20 +111,49 @@ def _namespace(decision: Decision, principal: Principal) -> bytes:
     return f"t:{principal.tenant_id}".encode()
 
 
-def _sampling_params(req: ChatCompletionRequest | CompletionRequest, max_tokens: int) -> SamplingParams:
+def _seed(req: ChatCompletionRequest | CompletionRequest) -> int | None:
+    """The request's seed; a sampled request without one gets a fresh seed here, recorded in its audit
+    receipt so that a replay can redraw the same tokens. 32 bits: a 13+ digit number could be masked as a
+    card number by the log redactor."""
+    if req.seed is not None or req.temperature == 0:
+        return req.seed
+    return secrets.randbits(32)
+
+
+def _sampling_params(req: ChatCompletionRequest | CompletionRequest, decision: Decision) -> SamplingParams:
     try:
         return SamplingParams(
             n=req.n,
-            max_tokens=max_tokens,
+            max_tokens=decision.max_tokens,
             temperature=req.temperature,
             top_p=req.top_p,
             top_k=req.top_k,
-            seed=req.seed,
+            seed=_seed(req),
             stop=req.stop_list or None,
             logprobs=req.num_logprobs,
+            determinism=decision.determinism,
         )
     except InvalidRequestError as e:
         raise InvalidRequest(str(e)) from None
+
+
+def _check_mode_available(engine: Any, mode: str, requested: str | None) -> None:
+    """A mode the policy allows but this engine cannot serve (not configured, or batch_invariant whose
+    kernels or self-check failed at start-up) is the caller's 400, answered before any quota is reserved.
+    The engine's reason stays in the server log: it may name paths and compiler output."""
+    served = engine.determinism.modes
+    if mode in served:
+        return
+    whose = "The requested" if requested is not None else "This tenant's default"
+    why = ""
+    if mode == "batch_invariant" and engine.determinism.bi_error:
+        why = " (it could not be enabled when the server started; the server log says why)"
+    raise InvalidRequest(
+        f"{whose} determinism mode '{mode}' is not available on this server{why}; "
+        f"available: {', '.join(served)}.",
+        code="determinism_unavailable",
+        param="determinism",
+    )
 
 
 async def _decide(
@@ -120,8 +162,10 @@ async def _decide(
     engine = rt.engine
     if req.model != engine.model_name:
         raise NotFound(f"The model '{req.model[:64]}' does not exist.", code="model_not_found", param="model")
-    async with rt.sessionmaker() as session:
-        policy = await current_policy(session, principal.tenant_id, rt.settings.default_policy)
+    policy = principal.policy  # read with the key, in the same query
+    if policy is None:
+        async with rt.sessionmaker() as session:
+            policy = await current_policy(session, principal.tenant_id, rt.settings.default_policy)
     prompt_ids = await tokenize(engine.tokenizer, req)
     ctx = RequestContext(
         model=req.model,
@@ -135,34 +179,42 @@ async def _decide(
     if decision.violation is not None:
         v = decision.violation
         raise PolicyViolation(v.message, status=v.status, code=v.code, param=v.param)
+    _check_mode_available(engine, decision.determinism, req.determinism)
     return policy, prompt_ids, decision
 
 
-async def _audit_admitted(
-    rt: Runtime,
-    request_id: str,
-    principal: Principal,
-    model: str,
-    num_prompt: int,
-    decision: Decision,
-    reservation: Reservation,
-) -> None:
-    try:
-        await rt.audit.emit(
-            "request.admitted",
-            request_id=request_id,
-            tenant_id=principal.tenant_id,
-            key_id=principal.key_id,
-            model=model,
-            num_prompt_tokens=num_prompt,
-            num_reserved_tokens=reservation.num_tokens,
-            priority=decision.priority,
-            max_tokens=decision.max_tokens,
-            determinism=decision.determinism,
-        )
-    except AuditUnavailableError:
-        await rt.quota.settle(reservation, 0, 0, 0)  # nothing ran: give the reservation back
-        raise
+def _admitted_fields(
+    request_id: str, principal: Principal, model: str, num_prompt: int, decision: Decision
+) -> dict[str, Any]:
+    return {
+        "request_id": request_id,
+        "tenant_id": principal.tenant_id,
+        "key_id": principal.key_id,
+        "model": model,
+        "num_prompt_tokens": num_prompt,
+        "num_reserved_tokens": decision.num_reserved_tokens,
+        "priority": decision.priority,
+        "max_tokens": decision.max_tokens,
+        "determinism": decision.determinism,
+    }
+
+
+async def _reserve_audited(
+    rt: Runtime, principal: Principal, policy: Policy, decision: Decision, fields: dict[str, Any]
+) -> tuple[Reservation, RateLimitInfo]:
+    """Reserve the tokens and record ``request.admitted``: in one transaction when the audit sink can
+    join it, else one after the other, giving the reservation back when the event cannot be recorded."""
+    step = rt.audit.step("request.admitted", **fields)
+    reservation, info = await rt.quota.reserve(
+        principal.tenant_id, policy, decision.num_reserved_tokens, time.time(), then=step
+    )
+    if step is None:
+        try:
+            await rt.audit.emit("request.admitted", **fields)
+        except AuditUnavailableError:
+            await rt.quota.settle(reservation, 0, 0, 0)  # nothing ran: give the reservation back
+            raise
+    return reservation, info
 
 
 async def admit(
@@ -173,17 +225,20 @@ async def admit(
     Raises:
         NotFound: Unknown model.
         PolicyViolation: Over a static limit (e.g. 400 ``context_length_exceeded``).
+        InvalidRequest: A determinism mode this engine does not serve (400 ``determinism_unavailable``).
         QuotaExceeded: Over a rate or quota (429 with ``Retry-After``).
         AuditUnavailableError: The admission could not be audited (503; the reservation is released).
     """
     request_id = uuid.uuid4().hex
+    # From here on every log line carries the request id, and the prompt is scrubbed wherever it shows up.
+    bind_request_context(request_id=request_id)
+    register_sensitive(*retention.prompt_texts(req))
     policy, prompt_ids, decision = await _decide(rt, principal, req)
-    params = _sampling_params(req, decision.max_tokens)
-    reservation, info = await rt.quota.reserve(
-        principal.tenant_id, policy, decision.num_reserved_tokens, time.time()
-    )
-    await _audit_admitted(rt, request_id, principal, req.model, len(prompt_ids), decision, reservation)
-    return Admission(
+    params = _sampling_params(req, decision)
+    fields = _admitted_fields(request_id, principal, req.model, len(prompt_ids), decision)
+    fields["prompt_hash"] = prompt_hash = rt.prompt_hash(prompt_ids)
+    reservation, info = await _reserve_audited(rt, principal, policy, decision, fields)
+    adm = Admission(
         request_id,
         kind,
         principal,
@@ -195,4 +250,9 @@ async def admit(
         reservation,
         info.headers(),
         int(time.time()),
+        retain_days=policy.prompt_retention_days,
+        retained_prompt=retention.retained_prompt(req) if policy.prompt_retention_days else None,
+        prompt_hash=prompt_hash,
+        system_fingerprint=rt.engine.determinism.fingerprints[decision.determinism],
     )
+    return adm

@@ -2,33 +2,46 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
-from sqlalchemy import select
+from sqlalchemy import Connection, bindparam, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from gateway.clock import as_utc, utcnow
 from gateway.errors import AuthError, NotFound
 from gateway.schemas.admin import KeyCreated, KeyOut
 from gateway.secrets import ADMIN_PREFIX, TENANT_PREFIX, Hasher, new_token, parse_token
-from gateway.services.tenants import get_tenant_row
-from gateway.storage.models import AdminToken, ApiKey, Tenant
+from gateway.services.tenants import get_tenant_row, parse_policy
+from gateway.storage.models import AdminToken, ApiKey, PolicyVersion, Tenant
+from policies import Policy
 
 _DUMMY_HASH = "0" * 64
+# Privileges an admin token has only when issued with them (``kvgate admin create-token --scope``).
+RETENTION_READ = "retention:read"
+ADMIN_SCOPES = frozenset({RETENTION_READ})
 
 
 @dataclass(frozen=True, slots=True)
 class Principal:
-    """Who is calling. ``kind`` is ``tenant`` (an API key) or ``admin`` (an admin token)."""
+    """Who is calling. ``kind`` is ``tenant`` (an API key) or ``admin`` (an admin token).
+
+    ``scopes`` are an admin token's extra privileges; plain admin tokens have none.
+    ``policy`` is the tenant's policy as read together with the key (``None``: not read, or no policy).
+    """
 
     kind: str
     key_id: str
     tenant_id: str | None = None
+    scopes: frozenset[str] = frozenset()
+    policy: Policy | None = field(default=None, compare=False)
 
     @property
     def is_admin(self) -> bool:
         return self.kind == "admin"
+
+    def has_scope(self, scope: str) -> bool:
+        return self.is_admin and scope in self.scopes
 
 
 def key_to_schema(k: ApiKey) -> KeyOut:
@@ -102,10 +115,26 @@ async def rotate_key(
     return created
 
 
-async def create_admin_token(session: AsyncSession, hasher: Hasher, name: str) -> str:
+async def create_admin_token(
+    session: AsyncSession, hasher: Hasher, name: str, scopes: frozenset[str] = frozenset()
+) -> str:
+    """Issue an admin token, optionally with extra ``scopes`` from ``ADMIN_SCOPES``; returns it once.
+
+    Raises:
+        ValueError: An unknown scope.
+    """
+    unknown = set(scopes) - ADMIN_SCOPES
+    if unknown:
+        raise ValueError(f"unknown admin scopes {sorted(unknown)}; known: {sorted(ADMIN_SCOPES)}")
     key_id, secret, token = new_token(ADMIN_PREFIX)
     session.add(
-        AdminToken(id=key_id, name=name, secret_hash=hasher.hash(key_id, secret), created_at=utcnow())
+        AdminToken(
+            id=key_id,
+            name=name,
+            secret_hash=hasher.hash(key_id, secret),
+            created_at=utcnow(),
+            scopes=" ".join(sorted(scopes)),
+        )
     )
     await session.commit()
     return token
@@ -120,8 +149,37 @@ def _is_live(revoked_at: datetime | None, expires_at: datetime | None, now: date
     return revoked_at is None and (expiry is None or expiry > now)
 
 
-async def authenticate(session: AsyncSession, hasher: Hasher, token: str) -> Principal:
-    """Resolve a bearer token to a principal. Lookup is by key id with bound parameters only.
+_KEY = ApiKey.__table__
+_CURRENT_POLICY = (
+    select(PolicyVersion.body)
+    .where(PolicyVersion.tenant_id == _KEY.c.tenant_id)
+    .order_by(PolicyVersion.version.desc())
+    .limit(1)
+    .scalar_subquery()
+)
+# One round trip: the key, whether its tenant is enabled, and the tenant's current policy.
+_TENANT_KEY_ROW = (
+    select(
+        _KEY.c.id,
+        _KEY.c.secret_hash,
+        _KEY.c.revoked_at,
+        _KEY.c.expires_at,
+        _KEY.c.tenant_id,
+        Tenant.is_disabled,
+        _CURRENT_POLICY.label("policy_body"),
+    )
+    .select_from(_KEY.outerjoin(Tenant.__table__, Tenant.id == _KEY.c.tenant_id))
+    .where(_KEY.c.id == bindparam("key_id"))
+)
+_ADMIN_ROW = select(AdminToken.id, AdminToken.secret_hash, AdminToken.revoked_at, AdminToken.scopes).where(
+    AdminToken.id == bindparam("key_id")
+)
+
+
+def authenticate(conn: Connection, hasher: Hasher, token: str) -> Principal:
+    """Resolve a bearer token to a principal (with its tenant's current policy) in one query.
+
+    Lookup is by key id with bound parameters only.
 
     Raises:
         AuthError: with ``code`` saying why (the message is the same for every failure).
@@ -129,20 +187,20 @@ async def authenticate(session: AsyncSession, hasher: Hasher, token: str) -> Pri
     parsed = parse_token(token)
     if parsed is None:
         raise AuthError("Incorrect API key provided.", code="malformed_api_key")
-    model = AdminToken if parsed.prefix == ADMIN_PREFIX else ApiKey
-    row = await session.get(model, parsed.key_id)
+    is_admin = parsed.prefix == ADMIN_PREFIX
+    row = conn.execute(_ADMIN_ROW if is_admin else _TENANT_KEY_ROW, {"key_id": parsed.key_id}).first()
     # Always compute one HMAC so unknown ids and wrong secrets take the same time.
     is_match = hasher.verify(parsed.key_id, parsed.secret, row.secret_hash if row else _DUMMY_HASH)
     if row is None or not is_match:
         raise AuthError("Incorrect API key provided.", code="invalid_api_key")
     now = utcnow()
-    if isinstance(row, AdminToken):
+    if is_admin:
         if not _is_live(row.revoked_at, None, now):
             raise AuthError("Incorrect API key provided.", code="revoked_api_key")
-        return Principal(kind="admin", key_id=row.id)
+        return Principal(kind="admin", key_id=row.id, scopes=frozenset((row.scopes or "").split()))
     if not _is_live(row.revoked_at, row.expires_at, now):
         raise AuthError("Incorrect API key provided.", code="expired_or_revoked_api_key")
-    tenant = await session.get(Tenant, row.tenant_id)
-    if tenant is None or tenant.is_disabled:
+    if row.is_disabled is None or row.is_disabled:
         raise AuthError("Incorrect API key provided.", code="tenant_disabled")
-    return Principal(kind="tenant", key_id=row.id, tenant_id=row.tenant_id)
+    policy = None if row.policy_body is None else parse_policy(row.policy_body)
+    return Principal(kind="tenant", key_id=row.id, tenant_id=row.tenant_id, policy=policy)

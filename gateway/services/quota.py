@@ -3,23 +3,32 @@
 Every counter moves only through ``UPDATE ... SET n = n + :d WHERE <pk> AND n + :d <= :limit RETURNING``,
 so concurrent requests (also from several gateway processes sharing PostgreSQL) can never push a counter
 past its limit: the row lock serialises writers and PostgreSQL re-checks the WHERE clause against the
-latest committed row. Rows are always locked in the same order (tenant, minute, day, month) in both
-``reserve`` and ``settle``, so two transactions cannot deadlock.
+latest committed row. ``reserve`` and ``settle`` both lock the tenant row first; that lock is then a
+per-tenant mutex over the usage and slot rows, so two transactions cannot deadlock whatever order one
+multi-row UPDATE locks its rows in.
+
+Each call is one transaction body (``gateway.storage.txn``) of prebuilt statements: the concurrency slot
+(``gateway.services.slots``), an idempotent insert of the window rows, and one UPDATE for all three
+windows.
 """
 
 from __future__ import annotations
 
-import asyncio
-import math
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from functools import lru_cache
+from typing import Any
 
-from sqlalchemy import select, update
+from sqlalchemy import BigInteger, Connection, and_, bindparam, or_, select, update
 from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+from sqlalchemy.sql.dml import Insert, Update
 
+from gateway.audit_hook import TxnStep
 from gateway.errors import QuotaExceeded
-from gateway.storage.models import Tenant, UsageCounter
+from gateway.services.ratelimit import RateLimitInfo, exceeded, rate_limit_info, window_error
+from gateway.services.slots import LOCK_TENANT, Slots
+from gateway.storage.models import UsageCounter
+from gateway.storage.txn import TxnRunner
 from policies import Policy
 
 WINDOWS = ("minute", "day", "month")
@@ -32,34 +41,7 @@ class Reservation:
     tenant_id: str
     num_tokens: int
     window_starts: tuple[int, int, int]  # minute, day, month (epoch seconds)
-
-
-@dataclass(frozen=True, slots=True)
-class RateLimitInfo:
-    """Values for OpenAI's ``x-ratelimit-*`` headers (minute window)."""
-
-    limit_requests: int | None
-    remaining_requests: int | None
-    limit_tokens: int | None
-    remaining_tokens: int | None
-    reset_s: float
-
-    def headers(self) -> dict[str, str]:
-        out: dict[str, str] = {}
-        reset = f"{max(self.reset_s, 0.0):.3f}s"
-        if self.limit_requests is not None:
-            out |= {
-                "x-ratelimit-limit-requests": str(self.limit_requests),
-                "x-ratelimit-remaining-requests": str(max(self.remaining_requests or 0, 0)),
-                "x-ratelimit-reset-requests": reset,
-            }
-        if self.limit_tokens is not None:
-            out |= {
-                "x-ratelimit-limit-tokens": str(self.limit_tokens),
-                "x-ratelimit-remaining-tokens": str(max(self.remaining_tokens or 0, 0)),
-                "x-ratelimit-reset-tokens": reset,
-            }
-        return out
+    instance_id: str  # the gateway instance holding its concurrency slot
 
 
 def window_bounds(now: float) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
@@ -81,110 +63,142 @@ def _limits(policy: Policy) -> tuple[tuple[int | None, int | None], ...]:
     )
 
 
+_U = UsageCounter.__table__
+_N = bindparam("n", type_=BigInteger)
+
+
+def _window_is(window: str) -> Any:
+    return and_(_U.c.window == window, _U.c.window_start == bindparam(f"{window}_start", type_=BigInteger))
+
+
+_IS_TENANT_WINDOW = and_(_U.c.tenant_id == bindparam("tid"), or_(*(_window_is(w) for w in WINDOWS)))
+_READ = select(_U.c.window, _U.c.num_tokens, _U.c.num_requests).where(_IS_TENANT_WINDOW)
+_SETTLE = (
+    update(_U)
+    .where(_IS_TENANT_WINDOW)
+    .values(
+        num_tokens=_U.c.num_tokens + bindparam("delta", type_=BigInteger),
+        num_prompt_tokens=_U.c.num_prompt_tokens + bindparam("num_prompt", type_=BigInteger),
+        num_completion_tokens=_U.c.num_completion_tokens + bindparam("num_completion", type_=BigInteger),
+        num_cached_tokens=_U.c.num_cached_tokens + bindparam("num_cached", type_=BigInteger),
+    )
+)
+
+
+@lru_cache(maxsize=4)
+def _ensure_row(dialect: str) -> Insert:
+    # One row per execution (run as an executemany): a multi-row VALUES with bind parameters is
+    # compiled afresh on every call, which cost more than the rest of the reservation.
+    dialect_insert = postgresql.insert if dialect == "postgresql" else sqlite.insert
+    zeros = dict.fromkeys(
+        ("num_requests", "num_tokens", "num_prompt_tokens", "num_completion_tokens", "num_cached_tokens"), 0
+    )
+    return (
+        dialect_insert(_U)
+        .values(tenant_id=bindparam("tid"), window=bindparam("w"), window_start=bindparam("start"), **zeros)
+        .on_conflict_do_nothing()
+    )
+
+
+class _MissingRows(Exception):
+    """A window row this process created earlier is gone; the reservation is retried from scratch."""
+
+
+@lru_cache(maxsize=64)
+def _add(limited: tuple[tuple[bool, bool], ...]) -> Update:
+    """One UPDATE adding a request and ``n`` tokens to every window that stays within its limits."""
+    clauses = []
+    for window, (has_token_limit, has_request_limit) in zip(WINDOWS, limited, strict=True):
+        clause = _window_is(window)
+        if has_token_limit:
+            clause = and_(clause, _U.c.num_tokens + _N <= bindparam(f"{window}_tokens", type_=BigInteger))
+        if has_request_limit:
+            clause = and_(clause, _U.c.num_requests + 1 <= bindparam(f"{window}_requests", type_=BigInteger))
+        clauses.append(clause)
+    return (
+        update(_U)
+        .where(_U.c.tenant_id == bindparam("tid"), or_(*clauses))
+        .values(num_tokens=_U.c.num_tokens + _N, num_requests=_U.c.num_requests + 1)
+        .returning(_U.c.window, _U.c.num_tokens, _U.c.num_requests)
+    )
+
+
+def _params(r: Reservation) -> dict[str, Any]:
+    return {"tid": r.tenant_id, "n": r.num_tokens} | {
+        f"{w}_start": s for w, s in zip(WINDOWS, r.window_starts, strict=True)
+    }
+
+
 class QuotaService:
-    """Reserves and settles usage against a tenant's policy."""
+    """Reserves and settles usage against a tenant's policy, each in one database transaction.
 
-    def __init__(self, sessionmaker: async_sessionmaker, dialect: str) -> None:
-        self._sessionmaker = sessionmaker
-        self._dialect = dialect
-        # SQLite has one writer at a time anyway; queueing here beats polling on busy_timeout.
-        self._lock = asyncio.Lock() if dialect == "sqlite" else None
+    Args:
+        db: Runs the transactions.
+        slots: This instance's concurrency slots and lease (a fresh instance by default).
+    """
 
-    async def _ensure_rows(self, session: AsyncSession, tenant_id: str, starts: tuple[int, ...]) -> None:
-        dialect_insert = postgresql.insert if self._dialect == "postgresql" else sqlite.insert
-        rows = [
-            {
-                "tenant_id": tenant_id,
-                "window": w,
-                "window_start": s,
-                "num_requests": 0,
-                "num_tokens": 0,
-                "num_prompt_tokens": 0,
-                "num_completion_tokens": 0,
-                "num_cached_tokens": 0,
-            }
-            for w, s in zip(WINDOWS, starts, strict=True)
-        ]
-        await session.execute(dialect_insert(UsageCounter).values(rows).on_conflict_do_nothing())
+    def __init__(self, db: TxnRunner, slots: Slots | None = None) -> None:
+        self._db = db
+        self.slots = slots or Slots()
+        self._is_registered = False
+        # tenant -> window starts whose usage rows are known to exist (rows are never deleted), so the
+        # idempotent insert runs once per tenant per minute instead of on every request.
+        self._known_rows: dict[str, tuple[int, int, int]] = {}
 
-    async def _take_slot(self, session: AsyncSession, tenant_id: str, limit: int | None) -> bool:
-        stmt = update(Tenant).where(Tenant.id == tenant_id)
-        if limit is not None:
-            stmt = stmt.where(Tenant.num_in_flight + 1 <= limit)
-        result = await session.execute(
-            stmt.values(num_in_flight=Tenant.num_in_flight + 1).returning(Tenant.num_in_flight)
-        )
-        return result.first() is not None
+    async def heartbeat(self, now: float) -> None:
+        """Renew this instance's lease (call well within ``slots.lease_s``)."""
+        await self._db.run(self.slots.renew, now, durable=False)
+        self._is_registered = True
 
-    async def _add(
-        self,
-        session: AsyncSession,
-        tenant_id: str,
-        window: str,
-        start: int,
-        num_tokens: int,
-        limits: tuple[int | None, int | None],
-    ) -> tuple[int, int] | None:
-        token_limit, request_limit = limits
-        stmt = update(UsageCounter).where(
-            UsageCounter.tenant_id == tenant_id,
-            UsageCounter.window == window,
-            UsageCounter.window_start == start,
-        )
-        if token_limit is not None:
-            stmt = stmt.where(UsageCounter.num_tokens + num_tokens <= token_limit)
-        if request_limit is not None:
-            stmt = stmt.where(UsageCounter.num_requests + 1 <= request_limit)
-        stmt = stmt.values(
-            num_tokens=UsageCounter.num_tokens + num_tokens, num_requests=UsageCounter.num_requests + 1
-        )
-        row = (
-            await session.execute(stmt.returning(UsageCounter.num_tokens, UsageCounter.num_requests))
-        ).first()
-        return None if row is None else (row[0], row[1])
-
-    async def _read_minute(self, session: AsyncSession, tenant_id: str, start: int) -> tuple[int, int]:
-        row = (
-            await session.execute(
-                select(UsageCounter.num_tokens, UsageCounter.num_requests).where(
-                    UsageCounter.tenant_id == tenant_id,
-                    UsageCounter.window == "minute",
-                    UsageCounter.window_start == start,
-                )
-            )
-        ).first()
-        return (0, 0) if row is None else (row[0], row[1])
+    async def release_all(self) -> None:
+        """Give back every slot this instance holds and end its lease (clean shutdown)."""
+        await self._db.run(self.slots.release_all)
+        self._is_registered = False
 
     async def reserve(
-        self, tenant_id: str, policy: Policy, num_tokens: int, now: float
+        self, tenant_id: str, policy: Policy, num_tokens: int, now: float, *, then: TxnStep | None = None
     ) -> tuple[Reservation, RateLimitInfo]:
-        """Hold ``num_tokens`` and one request slot in every window, or raise ``QuotaExceeded``."""
-        if self._lock is None:
-            return await self._reserve(tenant_id, policy, num_tokens, now)
-        async with self._lock:
-            return await self._reserve(tenant_id, policy, num_tokens, now)
+        """Hold ``num_tokens`` and one request slot in every window, or raise ``QuotaExceeded``.
 
-    async def _reserve(
-        self, tenant_id: str, policy: Policy, num_tokens: int, now: float
-    ) -> tuple[Reservation, RateLimitInfo]:
-        starts, ends = window_bounds(now)
+        Args:
+            then: Runs in the same transaction once the reservation holds (the admission's audit event);
+                if it raises, the reservation is rolled back with it.
+        """
+        if not self._is_registered:
+            await self.heartbeat(now)
+        reservation = Reservation(tenant_id, num_tokens, window_bounds(now)[0], self.slots.instance_id)
+
+        def release(conn: Connection, _: Any) -> None:
+            self._settle(conn, reservation, 0, 0, 0, None)
+
+        try:
+            info = await self._db.run(self._reserve, reservation, policy, now, then, undo=release)
+        except _MissingRows:
+            self._known_rows.pop(tenant_id, None)
+            info = await self._db.run(self._reserve, reservation, policy, now, then, undo=release)
+        self._known_rows[tenant_id] = reservation.window_starts
+        return reservation, info
+
+    def _reserve(
+        self, conn: Connection, r: Reservation, policy: Policy, now: float, then: TxnStep | None
+    ) -> RateLimitInfo:
+        params = _params(r)
+        if not self.slots.take(conn, r.tenant_id, policy.max_concurrent_requests, now):
+            raise exceeded("Too many concurrent requests for this tenant.", 1.0, "concurrency_limit")
+        if self._known_rows.get(r.tenant_id) != r.window_starts:
+            starts = zip(WINDOWS, r.window_starts, strict=True)
+            rows = [{"tid": r.tenant_id, "w": w, "start": s} for w, s in starts]
+            conn.execute(_ensure_row(conn.dialect.name), rows)
         limits = _limits(policy)
-        async with self._sessionmaker() as session, session.begin():
-            if not await self._take_slot(session, tenant_id, policy.max_concurrent_requests):
-                raise _exceeded("Too many concurrent requests for this tenant.", 1.0, "concurrency_limit")
-            await self._ensure_rows(session, tenant_id, starts)
-            minute: tuple[int, int] | None = None
-            for i, window in enumerate(WINDOWS):
-                got = await self._add(session, tenant_id, window, starts[i], num_tokens, limits[i])
-                if got is None:  # raising inside begin() rolls back the slot and earlier windows
-                    error = _window_error(window, num_tokens, limits[i], ends[i] - now)
-                    row = minute or await self._read_minute(session, tenant_id, starts[0])
-                    error.headers |= _info(policy, row, ends[0] - now).headers()
-                    raise error
-                minute = minute or got
-        assert minute is not None
-        info = _info(policy, minute, ends[0] - now)
-        return Reservation(tenant_id, num_tokens, starts), info
+        bounds = {f"{w}_tokens": t for w, (t, _) in zip(WINDOWS, limits, strict=True) if t is not None}
+        bounds |= {f"{w}_requests": q for w, (_, q) in zip(WINDOWS, limits, strict=True) if q is not None}
+        shape = tuple((t is not None, q is not None) for t, q in limits)
+        got = {w: (tokens, requests) for w, tokens, requests in conn.execute(_add(shape), params | bounds)}
+        if len(got) < len(WINDOWS):  # raising rolls back the slot and the windows that did fit
+            raise _rejection(conn, r, policy, got, now)
+        if then is not None:
+            then(conn)
+        return rate_limit_info(policy, got["minute"], window_bounds(now)[1][0] - now)
 
     async def settle(
         self,
@@ -192,65 +206,61 @@ class QuotaService:
         num_prompt_tokens: int,
         num_completion_tokens: int,
         num_cached_tokens: int,
+        *,
+        then: TxnStep | None = None,
     ) -> None:
-        """Replace the reservation by actual usage and release the concurrency slot."""
-        if self._lock is None:
-            await self._settle(reservation, num_prompt_tokens, num_completion_tokens, num_cached_tokens)
-            return
-        async with self._lock:
-            await self._settle(reservation, num_prompt_tokens, num_completion_tokens, num_cached_tokens)
+        """Replace the reservation by actual usage and release the concurrency slot.
 
-    async def _settle(self, r: Reservation, num_prompt: int, num_completion: int, num_cached: int) -> None:
-        delta = num_prompt + num_completion - r.num_tokens
-        async with self._sessionmaker() as session, session.begin():
-            await session.execute(
-                update(Tenant).where(Tenant.id == r.tenant_id).values(num_in_flight=Tenant.num_in_flight - 1)
-            )
-            for window, start in zip(WINDOWS, r.window_starts, strict=True):
-                await session.execute(
-                    update(UsageCounter)
-                    .where(
-                        UsageCounter.tenant_id == r.tenant_id,
-                        UsageCounter.window == window,
-                        UsageCounter.window_start == start,
-                    )
-                    .values(
-                        num_tokens=UsageCounter.num_tokens + delta,
-                        num_prompt_tokens=UsageCounter.num_prompt_tokens + num_prompt,
-                        num_completion_tokens=UsageCounter.num_completion_tokens + num_completion,
-                        num_cached_tokens=UsageCounter.num_cached_tokens + num_cached,
-                    )
-                )
+        The commit is not waited to disk: an OS crash could lose only this refund of the unused part
+        of a durable reservation (so usage is over-, never under-counted) and the slot, which lapses with
+        this instance's lease.
 
+        Args:
+            then: Runs in the same transaction (the request's ``request.finished`` audit event).
+        """
+        await self._db.run(
+            self._settle,
+            reservation,
+            num_prompt_tokens,
+            num_completion_tokens,
+            num_cached_tokens,
+            then,
+            durable=False,
+        )
 
-def _info(policy: Policy, minute: tuple[int, int], reset_s: float) -> RateLimitInfo:
-    tokens, requests = minute
-    rpm, tpm = policy.requests_per_minute, policy.tokens_per_minute
-    return RateLimitInfo(
-        rpm, None if rpm is None else rpm - requests, tpm, None if tpm is None else tpm - tokens, reset_s
-    )
-
-
-def _exceeded(message: str, retry_after: float, code: str) -> QuotaExceeded:
-    return QuotaExceeded(message, code=code, headers={"retry-after": str(max(1, math.ceil(retry_after)))})
+    @staticmethod
+    def _settle(
+        conn: Connection, r: Reservation, num_prompt: int, num_completion: int, num_cached: int,
+        then: TxnStep | None,
+    ) -> None:
+        params = _params(r) | {
+            "delta": num_prompt + num_completion - r.num_tokens,
+            "num_prompt": num_prompt,
+            "num_completion": num_completion,
+            "num_cached": num_cached,
+        }
+        conn.execute(LOCK_TENANT, params)
+        Slots.give(conn, r.tenant_id, r.instance_id)
+        conn.execute(_SETTLE, params)
+        if then is not None:
+            then(conn)
 
 
-def _window_error(
-    window: str, num_tokens: int, limits: tuple[int | None, int | None], retry_after: float
+def _rejection(
+    conn: Connection, r: Reservation, policy: Policy, got: dict[str, tuple[int, int]], now: float
 ) -> QuotaExceeded:
-    token_limit, _ = limits
-    if token_limit is not None and num_tokens > token_limit:
-        return _exceeded(
-            f"Request too large: it needs {num_tokens} tokens; the {window} limit is {token_limit}.",
-            retry_after,
-            "request_too_large",
-        )
-    if window == "minute":
-        return _exceeded(
-            "Rate limit reached for requests or tokens per minute.", retry_after, "rate_limit_exceeded"
-        )
-    return _exceeded(
-        f"The {'daily' if window == 'day' else 'monthly'} token quota is exhausted.",
-        retry_after,
-        "insufficient_quota",
-    )
+    """The error for the first window (minute, day, month) the reservation did not fit in.
+
+    Raises:
+        _MissingRows: A window row does not exist (the caller retries, inserting the rows).
+    """
+    ends = window_bounds(now)[1]
+    limits = _limits(policy)
+    failed = next(i for i, w in enumerate(WINDOWS) if w not in got)
+    error = window_error(WINDOWS[failed], r.num_tokens, limits[failed], ends[failed] - now)
+    rows = {w: (tokens, requests) for w, tokens, requests in conn.execute(_READ, _params(r))}
+    if len(rows) < len(WINDOWS):
+        raise _MissingRows  # not over a limit after all: the UPDATE had rows to miss
+    minute = got.get("minute") or rows["minute"]
+    error.headers |= rate_limit_info(policy, minute, ends[0] - now).headers()
+    return error

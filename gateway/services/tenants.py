@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import secrets
+from functools import lru_cache
 
 from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
@@ -31,9 +32,7 @@ def policy_to_schema(p: PolicyVersion) -> PolicyOut:
 
 
 async def create_tenant(session: AsyncSession, name: str, policy: Policy, changed_by: str) -> TenantOut:
-    tenant = Tenant(
-        id=secrets.token_hex(8), name=name, is_disabled=False, num_in_flight=0, created_at=utcnow()
-    )
+    tenant = Tenant(id=secrets.token_hex(8), name=name, is_disabled=False, created_at=utcnow())
     session.add(tenant)
     try:
         await session.flush()
@@ -95,9 +94,15 @@ async def get_policy(session: AsyncSession, tenant_id: str) -> PolicyOut:
     return policy_to_schema(row)
 
 
+@lru_cache(maxsize=4096)
+def parse_policy(body: str) -> Policy:
+    """Parse stored policy JSON; cached, as policies are immutable and each version's body never changes."""
+    return Policy.model_validate_json(body)
+
+
 async def current_policy(session: AsyncSession, tenant_id: str, default: Policy) -> Policy:
     row = await _current_row(session, tenant_id)
-    return default if row is None else Policy.model_validate_json(row.body)
+    return default if row is None else parse_policy(row.body)
 
 
 async def policy_history(session: AsyncSession, tenant_id: str) -> list[PolicyOut]:

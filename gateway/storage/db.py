@@ -26,7 +26,7 @@ def is_sqlite(url: str) -> bool:
     return url.startswith("sqlite")
 
 
-def _sqlite_pragmas(dbapi_conn, _record) -> None:  # type: ignore[no-untyped-def]
+def sqlite_pragmas(dbapi_conn, _record) -> None:  # type: ignore[no-untyped-def]
     cur = dbapi_conn.cursor()
     # WAL lets readers proceed during writes; busy_timeout makes concurrent writers wait, not fail.
     cur.execute("PRAGMA journal_mode=WAL")
@@ -41,11 +41,11 @@ def make_db_engine(url: str, *, null_pool: bool = False) -> AsyncEngine:
     if null_pool:
         engine = create_async_engine(url, poolclass=NullPool)
         if is_sqlite(url):
-            event.listen(engine.sync_engine, "connect", _sqlite_pragmas)
+            event.listen(engine.sync_engine, "connect", sqlite_pragmas)
         return engine
     if is_sqlite(url):
         engine = create_async_engine(url, pool_size=5, max_overflow=10)
-        event.listen(engine.sync_engine, "connect", _sqlite_pragmas)
+        event.listen(engine.sync_engine, "connect", sqlite_pragmas)
         return engine
     return create_async_engine(url, pool_size=10, max_overflow=20, pool_pre_ping=True)
 

@@ -18,8 +18,6 @@ class Tenant(Base):
     id: Mapped[str] = mapped_column(String(32), primary_key=True)
     name: Mapped[str] = mapped_column(String(128), unique=True)
     is_disabled: Mapped[bool] = mapped_column(Boolean, default=False)
-    # Requests in flight right now; moved only by conditional UPDATEs (see gateway.quota).
-    num_in_flight: Mapped[int] = mapped_column(Integer, default=0)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
 
 
@@ -73,3 +71,27 @@ class AdminToken(Base):
     secret_hash: Mapped[str] = mapped_column(String(64))
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    # Space-separated extra privileges beyond the admin API (e.g. ``retention:read``); "" for none.
+    scopes: Mapped[str] = mapped_column(String(256), default="")
+
+
+class GatewayInstance(Base):
+    """A running gateway process; its in-flight slots count while ``heartbeat_at`` is recent."""
+
+    __tablename__ = "gateway_instances"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    started_at: Mapped[int] = mapped_column(BigInteger)  # epoch seconds
+    heartbeat_at: Mapped[int] = mapped_column(BigInteger)  # epoch seconds
+
+
+class TenantInFlight(Base):
+    """Requests of one tenant in flight on one gateway instance (see ``gateway.services.slots``)."""
+
+    __tablename__ = "tenant_in_flight"
+
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), primary_key=True)
+    instance_id: Mapped[str] = mapped_column(
+        ForeignKey("gateway_instances.id", ondelete="CASCADE"), primary_key=True
+    )
+    num_in_flight: Mapped[int] = mapped_column(Integer, default=0)

@@ -192,3 +192,21 @@ async def open_gateway(
 async def gw(tmp_path: Path, sqlite_url: str, llm: object) -> AsyncIterator[Gateway]:
     async for g in open_gateway(tmp_path, sqlite_url, llm):
         yield g
+
+
+@pytest.fixture
+def restore_logging() -> object:
+    """Put back the root logger, the loggers configure_logging touches, and structlog's defaults."""
+    import logging
+
+    import structlog
+
+    from audit.logging import ROUTED_LOGGERS
+
+    names = ("", "sqlalchemy.engine", *ROUTED_LOGGERS)
+    saved = {n: (list(logging.getLogger(n).handlers), logging.getLogger(n).level) for n in names}
+    yield
+    for name, (handlers, level) in saved.items():
+        logging.getLogger(name).handlers[:] = handlers
+        logging.getLogger(name).setLevel(level)
+    structlog.reset_defaults()

@@ -5,12 +5,16 @@ import time
 
 import pytest
 from litestar.testing import AsyncTestClient
+from sqlalchemy import delete
 
 from gateway.app import create_app
 from gateway.errors import QuotaExceeded
 from gateway.services import tenants
 from gateway.services.quota import QuotaService, window_bounds
+from gateway.services.slots import FORGET_AFTER_LEASES, Slots
 from gateway.storage.db import make_db_engine, make_sessionmaker
+from gateway.storage.models import UsageCounter
+from gateway.storage.txn import TxnRunner
 from policies import Policy
 
 from .conftest import make_settings, open_gateway
@@ -30,7 +34,8 @@ async def test_concurrent_reservations_never_overshoot(db_url, num_services):
     policy = Policy(tokens_per_minute=200, daily_token_quota=10_000)
     tid = await _tenant(db_url, policy)
     engines = [make_db_engine(db_url) for _ in range(num_services)]
-    services = [QuotaService(make_sessionmaker(e), e.dialect.name) for e in engines]
+    runners = [TxnRunner(e) for e in engines]
+    services = [QuotaService(r) for r in runners]
     now = time.time()
     if window_bounds(now)[1][0] - now < 5:  # keep all reservations inside one minute window
         await asyncio.sleep(window_bounds(now)[1][0] - now + 0.1)
@@ -52,7 +57,8 @@ async def test_concurrent_reservations_never_overshoot(db_url, num_services):
     with pytest.raises(QuotaExceeded) as exc:
         await services[-1].reserve(tid, policy, 1, now)
     assert exc.value.headers["x-ratelimit-remaining-tokens"] == "0"
-    for e in engines:
+    for r, e in zip(runners, engines, strict=True):
+        await r.close()
         await e.dispose()
 
 
@@ -60,7 +66,8 @@ async def test_concurrency_slots_released(db_url):
     policy = Policy(max_concurrent_requests=2)
     tid = await _tenant(db_url, policy)
     engine = make_db_engine(db_url)
-    q = QuotaService(make_sessionmaker(engine), engine.dialect.name)
+    runner = TxnRunner(engine)
+    q = QuotaService(runner)
     a = await q.reserve(tid, policy, 1, time.time())
     await q.reserve(tid, policy, 1, time.time())
     with pytest.raises(QuotaExceeded) as exc:
@@ -68,7 +75,85 @@ async def test_concurrency_slots_released(db_url):
     assert exc.value.code == "concurrency_limit"
     await q.settle(a[0], 1, 0, 0)
     assert await q.reserve(tid, policy, 1, time.time())
+    await runner.close()
     await engine.dispose()
+
+
+async def test_usage_rows_deleted_behind_its_back_are_recreated(db_url):
+    policy = Policy(tokens_per_minute=100)
+    tid, now = await _tenant(db_url, policy), time.time()
+    engine = make_db_engine(db_url, null_pool=True)
+    runner = TxnRunner(engine)
+    q = QuotaService(runner)
+    try:
+        await q.settle((await q.reserve(tid, policy, 10, now))[0], 4, 0, 0)  # rows now cached as existing
+        async with engine.begin() as conn:
+            await conn.execute(delete(UsageCounter).where(UsageCounter.tenant_id == tid))
+        reservation, info = await q.reserve(tid, policy, 10, now)  # not a bogus 429: rows come back
+        assert info.remaining_tokens == 90 and reservation.num_tokens == 10
+    finally:
+        await runner.close()
+        await engine.dispose()
+
+
+@pytest.fixture
+async def two_instances(db_url):
+    """Two gateway instances (own runner, own lease) sharing one database, like two processes."""
+    engine = make_db_engine(db_url, null_pool=True)
+    runners = [TxnRunner(engine), TxnRunner(engine)]
+    yield [QuotaService(r, Slots(lease_s=30)) for r in runners], db_url
+    for r in runners:
+        await r.close()
+    await engine.dispose()
+
+
+async def _refused(q, tid, policy, now):
+    with pytest.raises(QuotaExceeded) as exc:
+        await q.reserve(tid, policy, 1, now)
+    return exc.value.code == "concurrency_limit"
+
+
+async def test_a_crashed_instance_slots_lapse_with_its_lease(two_instances):
+    (crashed, alive), url = two_instances
+    policy = Policy(max_concurrent_requests=2)
+    tid, t0 = await _tenant(url, policy), time.time()
+    held = [await crashed.reserve(tid, policy, 1, t0) for _ in range(2)]  # then it stops heartbeating
+    assert await _refused(alive, tid, policy, t0 + 1)
+    assert await _refused(alive, tid, policy, t0 + 29)  # still within the crashed instance's lease
+    # Lapsed: both slots are back although nobody released them.
+    taken = [await alive.reserve(tid, policy, 1, t0 + 31) for _ in range(2)]
+    assert await _refused(alive, tid, policy, t0 + 31)
+    for reservation, _ in taken:
+        await alive.settle(reservation, 1, 0, 0)
+    # A "crashed" instance that was only stalled comes back: its slots count again, and settling them
+    # gives back exactly what it holds.
+    await crashed.heartbeat(t0 + 33)
+    assert await _refused(alive, tid, policy, t0 + 33)
+    for reservation, _ in held:
+        await crashed.settle(reservation, 1, 0, 0)
+    assert await alive.reserve(tid, policy, 1, t0 + 34) and await alive.reserve(tid, policy, 1, t0 + 34)
+
+
+async def test_forgotten_instance_settling_late_changes_nothing(two_instances):
+    (gone, alive), url = two_instances
+    policy = Policy(max_concurrent_requests=1)
+    tid, t0 = await _tenant(url, policy), time.time()
+    late, _ = await gone.reserve(tid, policy, 1, t0)
+    await alive.heartbeat(t0 + 30 * FORGET_AFTER_LEASES + 1)  # forgets `gone` and its slot rows
+    mine, _ = await alive.reserve(tid, policy, 1, t0 + 30 * FORGET_AFTER_LEASES + 2)
+    await gone.settle(late, 1, 0, 0)  # its slot row is gone: nothing to give back, no error
+    assert await _refused(alive, tid, policy, t0 + 30 * FORGET_AFTER_LEASES + 3)  # `mine` still held
+    await alive.settle(mine, 1, 0, 0)
+
+
+async def test_clean_shutdown_releases_every_slot_at_once(two_instances):
+    (stopping, alive), url = two_instances
+    policy = Policy(max_concurrent_requests=1)
+    tid, now = await _tenant(url, policy), time.time()
+    await stopping.reserve(tid, policy, 1, now)
+    assert await _refused(alive, tid, policy, now)
+    await stopping.release_all()
+    assert await alive.reserve(tid, policy, 1, now)
 
 
 async def _fire(clients, key, model, n, max_tokens):

@@ -1,0 +1,42 @@
+"""`kvgate bench gateway`: the gateway's added latency over calling the engine in-process."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from gateway.cli.bench_cmds import bench_app
+
+# bench.gateway_bench.PEERS, spelled out so `kvgate --help` need not import the harness
+_ALL_PEERS = ",".join(("engine", "https-chat", "https-chat-nosync", "https-chat-noaudit", "http-chat",
+                       "https-models", "https-healthz", "disk-fsync"))
+_ModelOpt = typer.Option(help="tiny (random weights, real tokenizer), default, or a model path.")
+
+
+@bench_app.command("gateway")
+def bench_gateway(
+    num_requests: Annotated[int, typer.Option(help="Measured requests per peer and concurrency.")] = 400,
+    num_warmup: Annotated[int, typer.Option(help="Unmeasured requests per peer first.")] = 40,
+    concurrency: Annotated[str, typer.Option(help="Comma list of closed-loop client counts.")] = "1,8",
+    rounds: Annotated[int, typer.Option(help="Peers are interleaved in this many rounds.")] = 4,
+    peers: Annotated[str, typer.Option(help=f"Comma list of {_ALL_PEERS}; engine always runs.")] = _ALL_PEERS,
+    model: Annotated[str, _ModelOpt] = "tiny",
+    db_url: Annotated[str | None, typer.Option(help="Database; default SQLite in a temp data dir.")] = None,
+    out: Annotated[str, typer.Option(help="Where to write the JSON results.")] = "bench-results/gateway.json",
+    seed: int = 0,
+) -> None:
+    """Same chat requests (max_tokens=1) through `kvgate serve` (HTTPS, auth, quota, audit) and the engine."""
+    from bench.gateway_bench import GatewayBenchConfig, run_gateway_bench
+
+    cfg = GatewayBenchConfig(
+        num_requests=num_requests,
+        num_warmup=num_warmup,
+        concurrency=tuple(int(c) for c in concurrency.split(",")),
+        num_rounds=rounds,
+        peers=tuple(peers.split(",")),
+        model=model,
+        db_url=db_url,
+        seed=seed,
+    )
+    run_gateway_bench(cfg, out)

@@ -1,0 +1,82 @@
+"""Whole transactions as one synchronous body: SQLite on a single writer thread, PostgreSQL via run_sync."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from gateway.storage.sqlite_writer import SqliteWriter
+
+T = TypeVar("T")
+TxnBody = Callable[..., T]  # fn(conn: Connection, *args) -> T
+
+
+class TxnRunner:
+    """Runs ``fn(conn, *args)`` inside one transaction that commits when it returns and rolls back when
+    it raises.
+
+    SQLite: ``SqliteWriter``, one thread with a synchronous engine that runs the whole body. Through
+    aiosqlite every statement costs three or four thread round trips (cursor, execute, fetch, close);
+    here a transaction is one, this process's writers queue instead of polling SQLite's busy timeout,
+    and bodies queued together share one commit. PostgreSQL (and in-memory SQLite, which a second
+    engine could not see): the async engine's own connection through ``run_sync``, one network round
+    trip per statement and no thread; the server itself groups concurrent commits.
+    """
+
+    def __init__(self, db: AsyncEngine, *, is_durable: bool = True) -> None:
+        """``is_durable=False`` makes every commit a non-durable one (see ``run``)."""
+        self.dialect = db.dialect.name
+        self.is_durable = is_durable
+        self._db = db
+        self._writer: SqliteWriter | None = None
+        self._undoing: set[asyncio.Future] = set()
+        if self.dialect == "sqlite" and (db.url.database or "") not in ("", ":memory:"):
+            self._writer = SqliteWriter(db.url)
+
+    async def run(
+        self, fn: TxnBody[T], *args: Any, durable: bool = True, undo: TxnBody[Any] | None = None
+    ) -> T:
+        """Run ``fn`` in a transaction and return its result.
+
+        Args:
+            fn: ``fn(conn, *args)``, synchronous; it must not await or block on anything but the database.
+            args: Passed after the connection.
+            durable: Flush the commit to disk before returning. ``False`` commits without waiting for the
+                flush (SQLite ``synchronous=NORMAL`` in WAL mode, PostgreSQL ``synchronous_commit=off``):
+                a crash of this process loses nothing, an OS crash may lose this transaction, but never
+                it alone while keeping a later durable one, as both databases flush their log in order.
+            undo: ``undo(conn, result)``, run in a new transaction when the caller is cancelled while
+                ``fn`` is running and ``fn`` then commits anyway (so a reservation cannot leak).
+        """
+        pending = self._start(fn, args, durable and self.is_durable)
+        try:
+            return await asyncio.shield(pending)
+        except asyncio.CancelledError:
+            if undo is not None:
+                pending.add_done_callback(lambda f: self._maybe_undo(f, undo))
+            raise
+
+    def _start(self, fn: TxnBody[T], args: tuple[Any, ...], durable: bool) -> asyncio.Future:
+        if self._writer is not None:
+            return self._writer.submit(fn, args, durable)
+        return asyncio.ensure_future(self._run_async(fn, args, durable))
+
+    async def _run_async(self, fn: TxnBody[T], args: tuple[Any, ...], durable: bool) -> T:
+        async with self._db.begin() as conn:
+            if not durable and self.dialect == "postgresql":
+                await conn.exec_driver_sql("SET LOCAL synchronous_commit TO OFF")
+            return await conn.run_sync(fn, *args)
+
+    def _maybe_undo(self, done: asyncio.Future, undo: TxnBody[Any]) -> None:
+        if not done.cancelled() and done.exception() is None:
+            pending = asyncio.ensure_future(self.run(undo, done.result()))
+            self._undoing.add(pending)
+            pending.add_done_callback(self._undoing.discard)
+
+    async def close(self) -> None:
+        if self._writer is not None:
+            await asyncio.to_thread(self._writer.close)
+            self._writer = None
