@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -9,9 +10,15 @@ from engine.hashing import BlockHash
 
 
 class Block:
-    """One KV block. ``block_hash``/``token_ids`` are set once the block is full and cached."""
+    """One KV block. ``block_hash``/``token_ids`` are set once the block is full and cached.
 
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "token_ids", "namespace")
+    ``entry_id`` names this caching of the block (never reused, even when the block is); ``parent_entry_id``
+    is the entry of the block before it in its sequence when it was cached (``None``: the first block).
+    A lookup matches only the entry whose parent is the entry just matched, so by induction a hit holds KV
+    computed over exactly the same token prefix, even if every hash collided.
+    """
+
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "token_ids", "namespace", "entry_id", "parent_entry_id")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
@@ -19,6 +26,8 @@ class Block:
         self.block_hash: BlockHash | None = None
         self.token_ids: tuple[int, ...] | None = None
         self.namespace: bytes | None = None
+        self.entry_id: int | None = None
+        self.parent_entry_id: int | None = None
 
     def __repr__(self) -> str:
         return f"Block(id={self.block_id}, ref={self.ref_cnt}, cached={self.block_hash is not None})"
@@ -57,6 +66,7 @@ class BlockPool:
         self.blocks_to_zero: list[int] = []  # filled when zero-on-free is on; drained by the runner
         self.zero_on_free = False
         self.num_evictions = 0
+        self._entry_ids = itertools.count()
 
     @property
     def num_free_blocks(self) -> int:
@@ -122,21 +132,26 @@ class BlockPool:
             if cap is not None and len(ns_lru) > cap:
                 self._evict(self.blocks[next(iter(ns_lru))])
 
-    def cache_block(self, block: Block, block_hash: BlockHash, token_ids: tuple[int, ...]) -> bool:
+    def cache_block(self, block: Block, block_hash: BlockHash, token_ids: tuple[int, ...],
+                    parent_entry_id: int | None) -> bool:
         """Register a full block under its hash; a hash already mapped keeps its block (no dedup:
         block tables stay append-only)."""
         if block.block_hash is not None or block_hash in self.cached:
             return False
         block.block_hash = block_hash
         block.token_ids = token_ids
+        block.entry_id = next(self._entry_ids)
+        block.parent_entry_id = parent_entry_id
         self.cached[block_hash] = block
         return True
 
-    def lookup(self, block_hash: BlockHash, token_ids: tuple[int, ...], namespace: bytes) -> Block | None:
-        """The cached block for a hash, only if its stored tokens and namespace match too: a hash
-        collision must never serve another sequence's (or tenant's) KV."""
+    def lookup(self, block_hash: BlockHash, token_ids: tuple[int, ...], namespace: bytes,
+               parent_entry_id: int | None) -> Block | None:
+        """The cached block for a hash, only if its stored tokens, namespace and parent entry match too:
+        a hash collision must never serve another sequence's (or tenant's) KV."""
         block = self.cached.get(block_hash)
-        if block is None or block.token_ids != token_ids or block.namespace != namespace:
+        if (block is None or block.token_ids != token_ids or block.namespace != namespace
+                or block.parent_entry_id != parent_entry_id):
             return None
         return block
 
@@ -158,6 +173,7 @@ class BlockPool:
             del self.cached[block.block_hash]
             block.block_hash = None
             block.token_ids = None
+            block.entry_id = block.parent_entry_id = None
             self.num_evictions += 1
             if self.zero_on_free:
                 self.blocks_to_zero.append(block.block_id)

@@ -27,9 +27,11 @@ def _lp(data: bytes) -> bytes:
 class BlockHasher:
     """Computes chain roots and block hashes under one secret and model id."""
 
-    def __init__(self, model_id: bytes = b"", secret: bytes | None = None) -> None:
+    def __init__(self, model_id: bytes = b"", secret: bytes | None = None,
+                 hash_fn: HashFn | None = None) -> None:
         self._secret = secret if secret is not None else os.urandom(32)
         self._model_id = _lp(model_id)
+        self._hash_fn = hash_fn  # replaces block_hash when set (tests force collisions with it)
 
     def root(self, namespace: bytes) -> BlockHash:
         """HMAC-SHA256 of the namespace: the parent of a sequence's first block."""
@@ -37,6 +39,8 @@ class BlockHasher:
 
     def block_hash(self, parent: BlockHash, token_ids: Sequence[int]) -> BlockHash:
         """Keyed BLAKE2b over (parent hash, token ids, model id), each length-prefixed."""
+        if self._hash_fn is not None:
+            return self._hash_fn(parent, token_ids)
         h = hashlib.blake2b(key=self._secret, digest_size=32)
         h.update(_lp(parent))
         h.update(_lp(array("q", token_ids).tobytes()))

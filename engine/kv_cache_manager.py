@@ -46,17 +46,20 @@ class KVCacheManager:
         they cover. At least one token is always left to compute, so the step produces logits."""
         if not self.enable_prefix_caching:
             return [], 0
-        bs = self.block_size
-        max_blocks = (seq.num_tokens - 1) // bs
+        max_blocks = (seq.num_tokens - 1) // self.block_size
         hashes = self._block_hashes(seq, max_blocks)
         hits: list[Block] = []
+        parent: int | None = None
         for i in range(max_blocks):
-            tokens = tuple(seq.all_token_ids[i * bs:(i + 1) * bs])
-            block = self.pool.lookup(hashes[i], tokens, seq.cache_namespace)
+            block = self.pool.lookup(hashes[i], self._block_tokens(seq, i), seq.cache_namespace, parent)
             if block is None:
                 break
             hits.append(block)
-        return hits, len(hits) * bs
+            parent = block.entry_id
+        return hits, len(hits) * self.block_size
+
+    def _block_tokens(self, seq: Sequence, i: int) -> tuple[int, ...]:
+        return tuple(seq.all_token_ids[i * self.block_size:(i + 1) * self.block_size])
 
     def allocate_slots(self, seq: Sequence, num_new_tokens: int,
                        computed: list[Block] | None = None) -> bool:
@@ -95,10 +98,18 @@ class KVCacheManager:
         blocks = self._blocks.get(seq.seq_id, [])
         num_full = min(seq.num_computed_tokens // self.block_size, len(blocks))
         hashes = self._block_hashes(seq, num_full)
-        bs = self.block_size
+        parent: int | None = None
         for i in range(num_full):
-            if blocks[i].block_hash is None:
-                self.pool.cache_block(blocks[i], hashes[i], tuple(seq.all_token_ids[i * bs:(i + 1) * bs]))
+            block = blocks[i]
+            if block.block_hash is None:
+                tokens = self._block_tokens(seq, i)
+                if not self.pool.cache_block(block, hashes[i], tokens, parent):
+                    # Another block holds this hash (a concurrent twin, or a collision). Chain on through
+                    # it only if it caches this very prefix; otherwise later blocks stay uncached.
+                    block = self.pool.lookup(hashes[i], tokens, seq.cache_namespace, parent)
+                    if block is None:
+                        return
+            parent = block.entry_id
 
     def free(self, seq: Sequence) -> None:
         """Release every block of the sequence, tail first."""

@@ -1,4 +1,5 @@
-"""Hypothesis: random add/step/abort sequences never leak or double-own a KV block."""
+"""Hypothesis: random add/step(finish)/abort/evict sequences over several namespaces never leak, double-own
+or share a KV block across namespaces, with real and with forced-colliding block hashes."""
 
 from __future__ import annotations
 
@@ -8,7 +9,10 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.hashing import BlockHash, BlockHasher
 from tests.engine.invariants import check_pool_invariants
+
+NAMESPACES = st.sampled_from([b"a", b"b", b"c"])
 
 
 @pytest.fixture(scope="module")
@@ -18,28 +22,36 @@ def shared_loaded(tiny_llama_dir):
     return load_model(EngineConfig(model=str(tiny_llama_dir), num_kv_blocks=24, block_size=4))
 
 
-def _machine(loaded, prefix_caching: bool):
+def _machine(loaded, prefix_caching: bool, hasher_factory, cap: int | None, evictions: list[int]):
     class EngineMachine(RuleBasedStateMachine):
         @initialize()
         def make(self):
             for k, v in loaded.kv_caches:
                 k.zero_(), v.zero_()
             cfg = EngineConfig(num_kv_blocks=24, block_size=4, max_num_batched_tokens=16, max_num_seqs=6,
-                               enable_prefix_caching=prefix_caching)
-            self.engine = LLMEngine(cfg, loaded=loaded)
+                               enable_prefix_caching=prefix_caching, max_cached_blocks_per_namespace=cap,
+                               zero_freed_blocks=cap is not None)
+            self.engine = LLMEngine(cfg, loaded=loaded, hasher=hasher_factory())
             self.next_id = 0
 
-        @rule(length=st.integers(1, 30), max_tokens=st.integers(1, 20), ns=st.sampled_from([b"a", b"b"]),
-              shared=st.booleans(), n=st.integers(1, 2))
-        def add(self, length, max_tokens, ns, shared, n):
-            base = [5] * 12 if shared else []
-            prompt = (base + [100 + self.next_id * 31 + i for i in range(length)])[:30]
+        def _add(self, prompt: list[int], max_tokens: int, ns: bytes, n: int = 1) -> None:
             params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, n=n)
             self.engine.add_request(prompt, params, f"r{self.next_id}", cache_namespace=ns)
             self.next_id += 1
 
+        @rule(length=st.integers(1, 30), max_tokens=st.integers(1, 12), ns=NAMESPACES,
+              shared=st.booleans(), n=st.integers(1, 2))
+        def add(self, length, max_tokens, ns, shared, n):
+            base = [5] * 12 if shared else []
+            self._add((base + [100 + self.next_id * 31 + i for i in range(length)])[:30], max_tokens, ns, n)
+
+        @rule(ns=NAMESPACES)
+        def evict(self, ns):
+            """A never-seen prompt needing most of the pool: cached blocks must make room."""
+            self._add([7000 + self.next_id * 97 + i for i in range(40)], 2, ns)
+
         @rule(k=st.integers(1, 3))
-        def step(self, k):
+        def step(self, k):  # requests finish here (max_tokens or teardown's drain)
             for _ in range(k):
                 self.engine.step()
 
@@ -59,13 +71,22 @@ def _machine(loaded, prefix_caching: bool):
                     self.engine.step()
                     check_pool_invariants(self.engine)
                 assert self.engine.kv.pool.num_used_blocks == 0, "blocks leaked after all requests ended"
+                evictions.append(self.engine.kv.pool.num_evictions)
 
     return EngineMachine
 
 
-@pytest.mark.parametrize("prefix_caching", [False, True])
-def test_random_add_step_abort_never_leaks(shared_loaded, prefix_caching):
-    machine = _machine(shared_loaded, prefix_caching)
+def _colliding() -> BlockHasher:
+    return BlockHasher(hash_fn=lambda parent, tokens: BlockHash(bytes(str(list(tokens)), "ascii")))
+
+
+@pytest.mark.parametrize(("prefix_caching", "hasher_factory", "cap"),
+                         [(False, BlockHasher, None), (True, BlockHasher, None), (True, _colliding, 2)],
+                         ids=["cache-off", "cache-on", "colliding-hashes-cap-2-zeroing"])
+def test_random_add_step_abort_evict_never_leaks(shared_loaded, prefix_caching, hasher_factory, cap):
+    evictions: list[int] = []
+    machine = _machine(shared_loaded, prefix_caching, hasher_factory, cap, evictions)
     machine.TestCase.settings = settings(max_examples=40, stateful_step_count=25, deadline=None,
                                          suppress_health_check=list(HealthCheck))
     machine.TestCase().runTest()
+    assert not prefix_caching or any(evictions), "no example put the prefix cache under eviction pressure"
