@@ -32,7 +32,7 @@ def _result(name, reqs, wall, ttfts, extra=None) -> dict:
     return out
 
 
-def run_kvgate(reqs: list[BenchRequest], dtype: str) -> dict:
+def run_kvgate(reqs: list[BenchRequest], dtype: str, determinism: str = "fast") -> dict:
     from engine import EngineConfig, LLMEngine, SamplingParams
 
     engine = LLMEngine(EngineConfig(dtype=dtype, kv_cache_memory=2 << 30, max_num_seqs=64,
@@ -40,8 +40,9 @@ def run_kvgate(reqs: list[BenchRequest], dtype: str) -> dict:
     t0 = time.monotonic()
     for i, r in enumerate(reqs):
         engine.add_request(r.prompt_ids, SamplingParams(temperature=0, max_tokens=r.max_new_tokens,
-                                                        ignore_eos=True), f"b{i}", arrival_time=t0)
-    ttfts, peak_blocks, peak_running, forward_s = [], 0, 0, 0.0
+                                                        ignore_eos=True, determinism=determinism),
+                           f"b{i}", arrival_time=t0)
+    ttfts, latencies, peak_blocks, peak_running, forward_s = [], [], 0, 0, 0.0
     while engine.has_unfinished():
         s0 = time.perf_counter()
         outs = engine.step()
@@ -49,11 +50,15 @@ def run_kvgate(reqs: list[BenchRequest], dtype: str) -> dict:
         peak_blocks = max(peak_blocks, engine.kv.pool.num_used_blocks)
         peak_running = max(peak_running, len(engine.scheduler.running))
         ttfts += [o.metrics.time_to_first_token for o in outs if o.finished]
+        latencies += [o.metrics.finish_time - t0 for o in outs if o.finished]
     wall = time.monotonic() - t0
     bs = engine.block_size
-    return _result(f"kvgate ({dtype})", reqs, wall, ttfts, {
+    label = f"kvgate ({dtype})" if determinism == "fast" else f"kvgate ({dtype}, {determinism})"
+    return _result(label, reqs, wall, ttfts, {
         "kv_tokens_peak": peak_blocks * bs, "kv_tokens_contiguous": peak_running * engine.max_model_len,
-        "steps": engine.stats().num_steps, "preemptions": engine.stats().num_preemptions})
+        "steps": engine.stats().num_steps, "preemptions": engine.stats().num_preemptions,
+        "latency_p50_s": percentile(latencies, 50), "latency_p99_s": percentile(latencies, 99),
+        "determinism": determinism})
 
 
 def _hf_model():
@@ -166,15 +171,18 @@ def format_table(results: list[dict]) -> str:
     return "\n".join(rows)
 
 
+def run_in_subprocess(module: str, peer: str, *args: object) -> dict:
+    """Run ``python -m module peer args...``; its last stdout line is the JSON result."""
+    proc = subprocess.run([sys.executable, "-m", module, peer, *map(str, args)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        return {"peer": peer, "skipped": f"failed: {proc.stderr.strip().splitlines()[-1:]}"}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def run_engine_bench(num_requests: int, peers: list[str], hf_requests: int, out: str, seed: int = 0) -> list[dict]:
     results = []
     for peer in peers:
-        proc = subprocess.run([sys.executable, "-m", "bench.engine_bench", peer, str(num_requests),
-                               str(hf_requests), str(seed)], capture_output=True, text=True)
-        if proc.returncode != 0:
-            results.append({"peer": peer, "skipped": f"failed: {proc.stderr.strip().splitlines()[-1:]}"})
-        else:
-            results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+        results.append(run_in_subprocess("bench.engine_bench", peer, num_requests, hf_requests, seed))
         print(format_table(results[-1:]).splitlines()[-1], flush=True)
     base = {r["peer"]: r for r in results if "tokens_per_s" in r}
     ours = next((r for k, r in base.items() if k.startswith("kvgate (bfloat16")), None) or \

@@ -40,6 +40,9 @@ class AsyncLLMEngine:
         self.tokenizer = self.engine.tokenizer
         self.model_name = self.engine.model_name
         self.max_model_len = self.engine.max_model_len
+        # Read-only after start-up: the served modes and each mode's system fingerprint, so callers can
+        # label a stream before its first token.
+        self.determinism = self.engine.determinism
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._thread: threading.Thread | None = None

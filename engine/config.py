@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.determinism import MODES, check_mode
+
 _DTYPES = ("float32", "bfloat16", "float16")
 _POLICIES = ("fcfs", "priority")
 
@@ -34,7 +36,12 @@ class EngineConfig:
         scheduling_policy: ``fcfs`` or ``priority`` (lower ``priority`` value runs first).
         num_threads: torch intra-op threads; ``None`` pins to the number of physical cores.
         seed: Seeds the sampling of requests that bring no seed of their own.
-        cache_dir: Where converted models live; ``None`` uses ``$KVGATE_CACHE`` or ``~/.cache/kvgate``.
+        cache_dir: Where converted models (and built C++ kernels) live; ``None`` uses ``$KVGATE_CACHE``
+            or ``~/.cache/kvgate``.
+        determinism: Mode of requests that name none: ``fast``, ``fixed`` or ``batch_invariant``.
+        determinism_modes: Modes this engine serves. ``fixed`` turns on torch's deterministic algorithms
+            for the process; ``batch_invariant`` builds the C++ attention kernel (once, about 30 s) and
+            checks at start-up that this machine's matmuls are row-invariant.
     """
 
     model: str | None = None
@@ -56,6 +63,8 @@ class EngineConfig:
     num_threads: int | None = None
     seed: int = 0
     cache_dir: str | None = None
+    determinism: str = "fast"
+    determinism_modes: tuple[str, ...] = MODES
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -70,5 +79,11 @@ class EngineConfig:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be positive")
         if not 0.0 < self.kv_cache_fraction <= 0.9:
             raise ValueError("kv_cache_fraction must be in (0, 0.9]")
+        check_mode(self.determinism)
+        for mode in self.determinism_modes:
+            check_mode(mode, "determinism_modes")
+        self.determinism_modes = tuple(self.determinism_modes)
+        if self.determinism not in self.determinism_modes:
+            raise ValueError(f"the default determinism {self.determinism!r} must be among determinism_modes")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError("num_kv_blocks must be positive")

@@ -9,19 +9,20 @@ import time
 import uuid
 from collections.abc import Sequence as Seq
 
-import torch
-
 from engine.config import EngineConfig
+from engine.determinism import BATCH_INVARIANT
 from engine.errors import InvalidRequestError, PromptTooLongError
+from engine.hashing import BlockHasher
 from engine.kv_cache_manager import KVCacheManager
 from engine.model_runner import ModelRunner
 from engine.outputs import RequestState
 from engine.request import RequestOutput, RequestStatus, SamplingParams, Sequence
 from engine.scheduler import Scheduler
-from engine.setup import LoadedModel, load_model
+from engine.setup import LoadedModel, load_model, setup_determinism
 from engine.stats import EngineStats, StatsTracker
 
 logger = logging.getLogger("kvgate.engine")
+_RESERVED_NS = b"\xffkvgate:"  # namespaces the engine derives itself (callers may not start with it)
 
 
 class LLMEngine:
@@ -33,7 +34,8 @@ class LLMEngine:
         >>> out.text, out.finish_reason
     """
 
-    def __init__(self, config: EngineConfig | None = None, *, loaded: LoadedModel | None = None) -> None:
+    def __init__(self, config: EngineConfig | None = None, *, loaded: LoadedModel | None = None,
+                 hasher: BlockHasher | None = None) -> None:
         self.config = config = config or EngineConfig()
         self.loaded = loaded or load_model(config)
         self.tokenizer = self.loaded.tokenizer
@@ -41,7 +43,7 @@ class LLMEngine:
         self.max_model_len = self.loaded.max_model_len
         self.block_size = config.block_size
         self.kv = KVCacheManager(self.loaded.num_blocks, config.block_size,
-                                 enable_prefix_caching=config.enable_prefix_caching,
+                                 enable_prefix_caching=config.enable_prefix_caching, hasher=hasher,
                                  max_cached_per_namespace=config.max_cached_blocks_per_namespace)
         self.kv.pool.zero_on_free = config.zero_freed_blocks
         self.scheduler = Scheduler(config, self.kv)
@@ -51,6 +53,8 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self._rng = random.Random(config.seed)
         self.stats_tracker = StatsTracker()
+        self.determinism = setup_determinism(config, self.loaded)
+        self.num_steps = 0
 
     # ---- requests -------------------------------------------------------------------------------
     def _tokenize(self, prompt: str | Seq[int]) -> list[int]:
@@ -90,6 +94,14 @@ class LLMEngine:
             raise InvalidRequestError("params must be a SamplingParams")
         if not isinstance(cache_namespace, bytes):
             raise InvalidRequestError("cache_namespace must be bytes")
+        if cache_namespace.startswith(_RESERVED_NS):
+            raise InvalidRequestError("cache_namespace must not start with the reserved prefix")
+        try:
+            mode = self.determinism.resolve(params.determinism, self.config.determinism)
+        except ValueError as e:
+            raise InvalidRequestError(str(e)) from None
+        if mode == BATCH_INVARIANT:  # its K/V come from another kernel: never share blocks with other modes
+            cache_namespace = _RESERVED_NS + b"bi:" + cache_namespace
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
@@ -108,9 +120,10 @@ class LLMEngine:
         base_seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         seqs = [Sequence(next(self._seq_ids), request_id, i, prompt_ids, params, arrival_time=now,
                          priority=priority, cache_namespace=cache_namespace, sample_seed=base_seed,
-                         max_len=max_len) for i in range(params.n)]
+                         max_len=max_len, mode=mode) for i in range(params.n)]
+        fingerprint = self.determinism.fingerprints[mode]
         self.requests[request_id] = RequestState(request_id, prompt_ids, params, seqs, self.tokenizer,
-                                                 self.loaded.eos_token_ids)
+                                                 self.loaded.eos_token_ids, fingerprint, self.num_steps)
         for i, seq in enumerate(seqs):
             self.scheduler.add(seq, leader=seqs[0] if i else None)
         return request_id
@@ -123,20 +136,27 @@ class LLMEngine:
         for seq in state.seqs:
             if not seq.is_finished:
                 self.scheduler.finish(seq, RequestStatus.FINISHED_ABORTED)
+        self._zero_freed_blocks()
         return state.make_output()
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
     # ---- stepping -------------------------------------------------------------------------------
+    def _zero_freed_blocks(self) -> None:
+        """With ``zero_freed_blocks``, wipe the K/V of blocks freed without a hash (or evicted) since the
+        last call. Runs only between forward passes, so a block is wiped before a new owner writes it."""
+        if self.kv.pool.blocks_to_zero:
+            self.runner.zero_blocks(self.kv.pool.blocks_to_zero)
+            self.kv.pool.blocks_to_zero.clear()
+
     def step(self) -> list[RequestOutput]:
         """Schedule, run one forward pass, sample, and return outputs of requests that progressed."""
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
-        if self.kv.pool.blocks_to_zero:
-            self.runner.zero_blocks(self.kv.pool.blocks_to_zero)
-            self.kv.pool.blocks_to_zero.clear()
+        self.num_steps += 1
+        self._zero_freed_blocks()  # freed while scheduling (preemption, eviction): before anyone writes
         t0 = time.perf_counter()
         seqs, tokens, logprobs = self.runner.execute(sched.scheduled)
         now = time.monotonic()
@@ -154,6 +174,7 @@ class LLMEngine:
             if status is not None:
                 self.scheduler.finish(seq, status)
             touched[seq.request_id] = state
+        self._zero_freed_blocks()  # freed by finished requests: now, not when the next request comes
         self.stats_tracker.record_step(sched.num_tokens, len(tokens), time.perf_counter() - t0)
         outputs = []
         for request_id, state in touched.items():

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from engine.determinism import BATCH_INVARIANT, INVARIANT_TILE_ROWS
 from engine.request import Sequence, TokenLogprobs
 from engine.sampler import sample
-from kernels import AttentionMetadata, DecodeGroup, PrefillSpan
+from kernels import AttentionMetadata, DecodeGroup, InvariantRows, PrefillSpan
 
 _DECODE_GROUP = 16  # rows per decode group: bounds padding to the spread of 16 sorted lengths
 
@@ -45,21 +46,36 @@ class ModelRunner:
                                       torch.tensor(table, dtype=torch.long, device=self.device), mask))
         return groups
 
+    def _invariant_rows(self, bi: list[tuple[Sequence, int]], start: int) -> InvariantRows:
+        """Rows of batch-invariant sequences: each token attends to positions [0, its own + 1)."""
+        max_blocks = max(len(s.block_ids) for s, _ in bi)
+        tables = [s.block_ids + [0] * (max_blocks - len(s.block_ids)) for s, _ in bi]
+        row_seq, row_ctx = [], []
+        for i, (s, n) in enumerate(bi):
+            row_seq += [i] * n
+            row_ctx += range(s.num_computed_tokens + 1, s.num_computed_tokens + n + 1)
+        def as_tensor(x): return torch.tensor(x, dtype=torch.long, device=self.device)
+        return InvariantRows(start, as_tensor(tables), as_tensor(row_seq), as_tensor(row_ctx))
+
     def prepare(self, scheduled: list[tuple[Sequence, int]]):
-        """Lay out the step: decodes (one new token) first, then prefill chunks.
+        """Lay out the step: decodes (one new token) first, then prefill chunks, then every token of
+        batch-invariant sequences (which the C++ kernel attends row by row).
 
         Returns input ids, positions, attention metadata, the batch rows whose logits are sampled, and
         the sequences those rows belong to (in the same order as ``scheduled`` after reordering).
         """
-        decodes = sorted(((s, n) for s, n in scheduled if n == 1), key=lambda x: x[0].num_computed_tokens)
-        prefills = [(s, n) for s, n in scheduled if n > 1]
+        bi = [(s, n) for s, n in scheduled if s.mode == BATCH_INVARIANT]
+        fast = [(s, n) for s, n in scheduled if s.mode != BATCH_INVARIANT]
+        decodes = sorted(((s, n) for s, n in fast if n == 1), key=lambda x: x[0].num_computed_tokens)
+        prefills = [(s, n) for s, n in fast if n > 1]
+        order = decodes + prefills + bi
         ids: list[int] = []
         positions: list[int] = []
-        for s, n in decodes + prefills:
+        for s, n in order:
             start = s.num_computed_tokens
             ids.extend(s.all_token_ids[start:start + n])
             positions.extend(range(start, start + n))
-        slot_parts, spans, sample_rows, sample_seqs = [], [], [], []
+        slot_parts, spans = [], []
         dec_seqs = [s for s, _ in decodes]
         groups = self._decode_groups(dec_seqs) if dec_seqs else []
         if dec_seqs:
@@ -78,16 +94,27 @@ class ModelRunner:
                 mask = torch.arange(start + n, device=self.device)[None, :] <= q_pos[:, None]
             spans.append(PrefillSpan(q_start, n, ctx, mask))
             q_start += n
-        row = 0
-        for s, n in decodes + prefills:
-            row += n
-            if s.num_computed_tokens + n == s.num_tokens:  # caught up: this step yields its next token
-                sample_rows.append(row - 1)
-                sample_seqs.append(s)
-        meta = AttentionMetadata(torch.cat(slot_parts), len(decodes), groups, spans)
+        meta = AttentionMetadata(torch.empty(0), len(decodes), groups, spans)
+        if bi:
+            slot_parts += [self._slots(s.block_ids, s.num_computed_tokens, s.num_computed_tokens + n)
+                           for s, n in bi]
+            meta.invariant = self._invariant_rows(bi, q_start)
+            meta.linear_tile_rows = INVARIANT_TILE_ROWS
+        meta.slot_mapping = torch.cat(slot_parts)
+        sample_rows, sample_seqs = self._sample_rows(order)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         return input_ids, pos, meta, sample_rows, sample_seqs
+
+    @staticmethod
+    def _sample_rows(order: list[tuple[Sequence, int]]) -> tuple[list[int], list[Sequence]]:
+        rows, seqs, row = [], [], 0
+        for s, n in order:
+            row += n
+            if s.num_computed_tokens + n == s.num_tokens:  # caught up: this step yields its next token
+                rows.append(row - 1)
+                seqs.append(s)
+        return rows, seqs
 
     def zero_blocks(self, block_ids: list[int]) -> None:
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
@@ -103,6 +130,6 @@ class ModelRunner:
         hidden = self.model(input_ids, positions, meta, self.kv_caches)
         if not rows:
             return [], [], []
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)], meta.linear_tile_rows)
         tokens, logprobs = sample(logits.cpu(), seqs)
         return seqs, tokens, logprobs

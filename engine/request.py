@@ -6,6 +6,7 @@ import enum
 import math
 from dataclasses import dataclass, field
 
+from engine.determinism import MODES as _MODES
 from engine.errors import InvalidSamplingParamsError
 
 
@@ -38,6 +39,7 @@ class SamplingParams:
         ignore_eos: Keep generating past the end-of-sequence token.
         logprobs: Return the top-N log-probabilities per generated token (0 = only the chosen one).
         skip_special_tokens: Leave special tokens out of ``text``.
+        determinism: ``fast``, ``fixed`` or ``batch_invariant``; ``None`` takes the engine's default.
     """
 
     n: int = 1
@@ -51,6 +53,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    determinism: str | None = None
 
     def __post_init__(self) -> None:
         _check(_is_int(self.n) and 1 <= self.n <= 128, f"n must be an integer in [1, 128], got {self.n!r}")
@@ -74,6 +77,8 @@ class SamplingParams:
                                                                        for t in self.stop_token_ids),
                "stop_token_ids must be a list of non-negative integers")
         self.stop_token_ids = list(self.stop_token_ids)
+        _check(self.determinism is None or self.determinism in _MODES,
+               f"determinism must be one of {_MODES}, got {self.determinism!r}")
 
     @property
     def is_greedy(self) -> bool:
@@ -114,11 +119,11 @@ class Sequence:
                  "status", "num_computed_tokens", "num_cached_tokens", "block_ids", "priority",
                  "arrival_time", "first_scheduled_time", "first_token_time", "last_token_time",
                  "finish_time", "logprobs", "cache_namespace", "sample_seed", "max_len",
-                 "num_preemptions", "stop_reason", "token_times", "num_prefill_computed")
+                 "num_preemptions", "stop_reason", "token_times", "num_prefill_computed", "mode")
 
     def __init__(self, seq_id: int, request_id: str, sample_index: int, prompt_token_ids: list[int],
                  params: SamplingParams, *, arrival_time: float, priority: int = 0,
-                 cache_namespace: bytes = b"", sample_seed: int = 0, max_len: int) -> None:
+                 cache_namespace: bytes = b"", sample_seed: int = 0, max_len: int, mode: str = "fast") -> None:
         self.seq_id = seq_id
         self.request_id = request_id
         self.sample_index = sample_index
@@ -143,6 +148,7 @@ class Sequence:
         self.max_len = max_len              # prompt + generated never exceeds this
         self.num_preemptions = 0
         self.stop_reason: str | int | None = None
+        self.mode = mode                    # determinism mode, resolved against the engine default
 
     @property
     def num_tokens(self) -> int:
@@ -176,6 +182,7 @@ class RequestMetrics:
     mean_time_per_output_token: float | None = None
     finish_time: float | None = None
     num_preemptions: int = 0
+    arrival_step: int = 0  # engine steps run before the request arrived: with arrival order, what a replay needs
 
 
 @dataclass(slots=True)
@@ -190,6 +197,7 @@ class CompletionOutput:
     finish_reason: str | None
     logprobs: list[TokenLogprobs] | None = None
     stop_reason: str | int | None = None
+    token_hash: str | None = None  # fixed/batch_invariant only: hash chain over token_ids, set when finished
 
 
 @dataclass(slots=True)
@@ -206,6 +214,8 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int
     metrics: RequestMetrics
+    determinism: str = "fast"
+    system_fingerprint: str = ""
 
     @property
     def token_ids(self) -> list[int]:

@@ -11,10 +11,27 @@ import psutil
 import torch
 
 from engine.config import EngineConfig
+from engine.determinism import (
+    BATCH_INVARIANT,
+    FIXED,
+    INVARIANT_TILE_ROWS,
+    Determinism,
+    tokenizer_digest,
+    verify_row_invariance,
+    weights_digest,
+)
 from engine.errors import ModelLoadError
-from engine.loader import (DEFAULT_MODEL_NAME, ModelConfig, load_model_config, load_state_dict, load_tokenizer,
-                           resolve_model_dir)
+from engine.loader import (
+    DEFAULT_MODEL_NAME,
+    ModelConfig,
+    default_cache_dir,
+    load_model_config,
+    load_state_dict,
+    load_tokenizer,
+    resolve_model_dir,
+)
 from engine.models import LlamaForCausalLM
+from kernels import KernelBuildError, load_cpu_kernels
 
 logger = logging.getLogger("kvgate.engine")
 
@@ -110,3 +127,47 @@ def load_model(config: EngineConfig) -> LoadedModel:
         eos.add(tokenizer.eos_token_id)
     return LoadedModel(_model_name(config.model), model_dir, model, mc, tokenizer, kv_caches, num_blocks,
                        max_model_len, device, dtype, tuple(sorted(eos)))
+
+
+def setup_determinism(config: EngineConfig, loaded: LoadedModel) -> Determinism:
+    """Turn on what the served modes need and compute the per-mode system fingerprints."""
+    if FIXED in config.determinism_modes:
+        torch.use_deterministic_algorithms(True)
+        if loaded.device.type == "cuda":
+            torch.backends.cudnn.benchmark = False
+            torch.backends.cudnn.deterministic = True
+    bi_error = None
+    if BATCH_INVARIANT in config.determinism_modes:
+        bi_error = _enable_batch_invariance(config, loaded)
+        if bi_error:
+            logger.warning("batch_invariant mode disabled: %s", bi_error)
+    kernel_config = {"dtype": str(loaded.dtype), "kv_dtype": str(loaded.kv_caches[0][0].dtype),
+                     "threads": torch.get_num_threads(), "device": loaded.device.type,
+                     "block_size": config.block_size, "linear_tile_rows": INVARIANT_TILE_ROWS}
+    parts = (weights_digest(loaded.model), tokenizer_digest(loaded.tokenizer))
+    schedule = {"max_num_batched_tokens": config.max_num_batched_tokens, "max_num_seqs": config.max_num_seqs,
+                "enable_prefix_caching": config.enable_prefix_caching}
+    return Determinism(config.determinism_modes, parts, kernel_config, bi_error, schedule)
+
+
+def _enable_batch_invariance(config: EngineConfig, loaded: LoadedModel) -> str | None:
+    """Load the C++ attention kernel and prove matmul row invariance here; return why not, or None."""
+    if loaded.device.type != "cpu":
+        return "batch-invariant kernels exist for the CPU path only so far"
+    if loaded.kv_caches[0][0].dtype != torch.float32:
+        return "batch_invariant needs a float32 KV cache"
+    try:
+        load_cpu_kernels(Path(config.cache_dir) if config.cache_dir else default_cache_dir())
+    except KernelBuildError as e:
+        return str(e)
+    with torch.inference_mode():
+        return verify_row_invariance(loaded.model.linear_weights(), config.max_num_batched_tokens)
+
+
+def prepare_cpu_kernels(cache_dir: str | None = None) -> str | None:
+    """Build (once) the C++ CPU kernels batch_invariant mode needs; return why not, or None."""
+    try:
+        load_cpu_kernels(Path(cache_dir) if cache_dir else default_cache_dir())
+    except KernelBuildError as e:
+        return str(e)
+    return None

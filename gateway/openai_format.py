@@ -72,7 +72,9 @@ def text_logprobs(entries: list[Any] | None, text_of: TokenText, offset: int = 0
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
 
 
-def _base(kind: str, request_id: str, created: int, model: str, *, chunk: bool) -> dict[str, Any]:
+def _base(
+    kind: str, request_id: str, created: int, model: str, *, chunk: bool, system_fingerprint: str | None
+) -> dict[str, Any]:
     if kind == "chat":
         obj = "chat.completion.chunk" if chunk else "chat.completion"
         return {
@@ -80,14 +82,14 @@ def _base(kind: str, request_id: str, created: int, model: str, *, chunk: bool) 
             "object": obj,
             "created": created,
             "model": model,
-            "system_fingerprint": None,
+            "system_fingerprint": system_fingerprint,
         }
     return {
         "id": f"cmpl-{request_id}",
         "object": "text_completion",
         "created": created,
         "model": model,
-        "system_fingerprint": None,
+        "system_fingerprint": system_fingerprint,
     }
 
 
@@ -99,8 +101,10 @@ def full_response(
     outputs: list[Any],
     usage: dict[str, Any],
     text_of: TokenText,
+    *,
+    system_fingerprint: str | None = None,
 ) -> dict[str, Any]:
-    body = _base(kind, request_id, created, model, chunk=False)
+    body = _base(kind, request_id, created, model, chunk=False, system_fingerprint=system_fingerprint)
     choices = []
     for o in outputs:
         if kind == "chat":
@@ -134,8 +138,10 @@ def chunk(
     choices: list[dict[str, Any]],
     include_usage: bool,
     usage: dict[str, Any] | None = None,
+    *,
+    system_fingerprint: str | None = None,
 ) -> dict[str, Any]:
-    body = _base(kind, request_id, created, model, chunk=True)
+    body = _base(kind, request_id, created, model, chunk=True, system_fingerprint=system_fingerprint)
     body["choices"] = choices
     if include_usage:
         body["usage"] = usage

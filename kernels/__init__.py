@@ -1,6 +1,14 @@
-"""Attention and KV-cache kernels: torch implementations (CPU) behind the interface Triton kernels fill."""
+"""Attention and KV-cache kernels: torch implementations plus a batch-invariant C++ CPU kernel."""
 
-from kernels.paged_attention import AttentionMetadata, DecodeGroup, PrefillSpan, paged_attention
+from kernels.cpu_ext import KernelBuildError, load_cpu_kernels, paged_attention_rows
+from kernels.paged_attention import (
+           AttentionMetadata,
+           DecodeGroup,
+           InvariantRows,
+           PrefillSpan,
+           paged_attention,
+)
 from kernels.store_kv import store_kv
 
-__all__ = ["AttentionMetadata", "DecodeGroup", "PrefillSpan", "paged_attention", "store_kv"]
+__all__ = ["AttentionMetadata", "DecodeGroup", "InvariantRows", "KernelBuildError", "PrefillSpan",
+           "load_cpu_kernels", "paged_attention", "paged_attention_rows", "store_kv"]

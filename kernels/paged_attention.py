@@ -7,6 +7,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kernels.cpu_ext import paged_attention_rows
+
 
 @dataclass(slots=True)
 class PrefillSpan:
@@ -38,6 +40,18 @@ class DecodeGroup:
 
 
 @dataclass(slots=True)
+class InvariantRows:
+    """Batch tokens [start, T) of batch-invariant sequences: each row attends to keys [0, row_ctx) of
+    block table ``row_seq`` through the C++ kernel, which computes every row the same way whatever the
+    batch, so prefill and decode rows (and cached and recomputed prefixes) agree bit for bit."""
+
+    start: int
+    block_tables: torch.Tensor  # [S, max_blocks] int64
+    row_seq: torch.Tensor  # [R] int64
+    row_ctx: torch.Tensor  # [R] int64
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
     """Per-step layout shared by every layer.
 
@@ -55,6 +69,8 @@ class AttentionMetadata:
     num_decode_tokens: int
     decode_groups: list[DecodeGroup]
     prefills: list[PrefillSpan]
+    invariant: InvariantRows | None = None
+    linear_tile_rows: int = 0  # pad matmuls to this many rows (batch-invariant steps)
 
 
 _workspace: dict[tuple, torch.Tensor] = {}
@@ -129,4 +145,8 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=span.mask, scale=scale,
                                                enable_gqa=group > 1)
         out[s:s + n] = o[0].transpose(0, 1)
+    if meta.invariant is not None:
+        inv = meta.invariant
+        out[inv.start:] = paged_attention_rows(query[inv.start:].to(k_cache.dtype), k_cache, v_cache,
+                                               inv.block_tables, inv.row_seq, inv.row_ctx, scale)
     return out.view(num_tokens, num_heads * head_dim).to(query.dtype)

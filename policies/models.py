@@ -28,6 +28,9 @@ class Policy(BaseModel):
         prefix_cache_scope: Who may share prefix-cache blocks: the whole tenant, one key, or nobody.
         default_determinism: Mode used when a request names none.
         allowed_determinism: Modes a request may ask for.
+        prompt_retention_days: Keep each request's prompt and completion, encrypted with the tenant's
+            data key, for this many days (readable only with the ``retention:read`` admin scope);
+            0, the default, stores neither.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -45,6 +48,7 @@ class Policy(BaseModel):
     prefix_cache_scope: CacheScope = "tenant"
     default_determinism: Determinism = "fast"
     allowed_determinism: tuple[Determinism, ...] = ALL_DETERMINISM
+    prompt_retention_days: int = Field(default=0, ge=0, le=3650)
 
     @model_validator(mode="after")
     def _check_consistent(self) -> Policy:

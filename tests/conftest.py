@@ -23,9 +23,9 @@ def tiny_llama_dir(tmp_path_factory):
 def tiny_engine_factory(tiny_llama_dir):
     """Build LLMEngines over the tiny Llama with config overrides (weights loaded once per engine)."""
 
-    def make(**overrides) -> LLMEngine:
+    def make(hasher=None, **overrides) -> LLMEngine:
         overrides.setdefault("num_kv_blocks", 64)
-        return LLMEngine(EngineConfig(model=str(tiny_llama_dir), **overrides))
+        return LLMEngine(EngineConfig(model=str(tiny_llama_dir), **overrides), hasher=hasher)
 
     return make
 

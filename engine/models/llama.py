@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.determinism import tiled_linear
 from engine.errors import ModelLoadError
 from engine.loader import ModelConfig
 from kernels import AttentionMetadata, paged_attention, store_kv
@@ -23,6 +24,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
+
+
+def _linear(x: torch.Tensor, layer: nn.Linear, tile: int) -> torch.Tensor:
+    return tiled_linear(x, layer.weight, layer.bias, tile)
 
 
 class DecoderLayer(nn.Module):
@@ -43,14 +48,14 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
                 kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         # x: [T, hidden]
-        t = x.shape[0]
-        q, k, v = self.qkv(rms_norm(x, self.input_norm, self.eps)).split(self.split, dim=-1)
+        t, rows = x.shape[0], meta.linear_tile_rows
+        q, k, v = _linear(rms_norm(x, self.input_norm, self.eps), self.qkv, rows).split(self.split, dim=-1)
         q = apply_rope(q.view(t, self.num_heads, self.head_dim), cos, sin)
         k = apply_rope(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
         store_kv(k, v.view(t, self.num_kv_heads, self.head_dim), kv_cache[0], kv_cache[1], meta.slot_mapping)
-        x = x + self.o(paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale))
-        gate, up = self.gate_up(rms_norm(x, self.post_norm, self.eps)).chunk(2, dim=-1)
-        return x + self.down(F.silu(gate) * up)
+        x = x + _linear(paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale), self.o, rows)
+        gate, up = _linear(rms_norm(x, self.post_norm, self.eps), self.gate_up, rows).chunk(2, dim=-1)
+        return x + _linear(F.silu(gate) * up, self.down, rows)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -82,10 +87,16 @@ class LlamaForCausalLM(nn.Module):
             x = layer(x, cos, sin, meta, kv)
         return x
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, tile: int = 0) -> torch.Tensor:
         """hidden: [N, hidden] → float32 logits [N, vocab]."""
         weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(rms_norm(hidden, self.norm, self.cfg.rms_norm_eps), weight).float()
+        return tiled_linear(rms_norm(hidden, self.norm, self.cfg.rms_norm_eps), weight, None, tile).float()
+
+    def linear_weights(self) -> list[torch.Tensor]:
+        """One weight of each matmul shape the forward pass runs (for the batch-invariance self-check)."""
+        layer = self.layers[0]
+        head = self.embed.weight if self.lm_head is None else self.lm_head.weight
+        return [layer.qkv.weight, layer.o.weight, layer.gate_up.weight, layer.down.weight, head]
 
     def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Fuse and copy transformers' parameter names into ours; every expected weight must be present."""

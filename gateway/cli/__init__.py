@@ -15,8 +15,14 @@ app = typer.Typer(
 
 def _register() -> None:
     # Each module adds its commands to `app`; imports are deferred so `kvgate --help` stays fast.
-    from gateway.cli import model_cmds  # noqa: F401  (model prepare, generate)
-    from gateway.cli import bench_cmds  # noqa: F401  (bench ...)
+    from gateway.cli import (
+        bench_audit_cmd,  # noqa: F401  (bench audit)
+        bench_cmds,  # noqa: F401  (bench ...)
+        bench_gateway_cmd,  # noqa: F401  (bench gateway)
+        bench_prefix_cmd,  # noqa: F401  (bench prefix)
+        model_cmds,  # noqa: F401  (model prepare, generate)
+        replay_cmd,  # noqa: F401  (replay)
+    )
 
     for optional in ("serve_cmds", "admin_cmds", "db_cmds", "audit_cmds"):
         try:

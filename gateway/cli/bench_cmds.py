@@ -26,3 +26,16 @@ def bench_engine(
 
     run_engine_bench(num_requests=num_requests, peers=peers.split(","), hf_requests=hf_requests, out=out,
                      seed=seed)
+
+
+@bench_app.command("determinism")
+def bench_determinism(
+    num_requests: int = typer.Option(64, help="Requests in the standard workload"),
+    modes: str = typer.Option("fast,fixed,batch_invariant", help="Comma list of determinism modes"),
+    out: str = typer.Option("bench-results/determinism.json", help="Where to write the JSON results"),
+    seed: int = typer.Option(0),
+) -> None:
+    """Throughput and p50/p99 latency of the standard workload in each determinism mode."""
+    from bench.determinism_bench import run_determinism_bench
+
+    run_determinism_bench(num_requests=num_requests, out=out, modes=modes.split(","), seed=seed)

@@ -17,7 +17,7 @@ app.add_typer(model_app, name="model")
 def prepare(model: str = typer.Option(None, help="HF dir or .gguf; default: SmolLM2-135M-Instruct"),
             cache_dir: str = typer.Option(None, help="Conversion cache (default $KVGATE_CACHE or ~/.cache/kvgate)")
             ) -> None:
-    """Convert the model into the safetensors cache once (a no-op when it is already there)."""
+    """Convert the model into the safetensors cache once and build the C++ CPU kernels (no-ops when done)."""
     from engine.errors import ModelLoadError
     from engine.loader import resolve_model_dir
 
@@ -28,6 +28,14 @@ def prepare(model: str = typer.Option(None, help="HF dir or .gguf; default: Smol
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
     typer.echo(f"model ready: {path}")
+    from engine.setup import prepare_cpu_kernels
+
+    # batch_invariant mode's C++ kernel: build it now (about 30 s once) rather than at first start
+    why_not = prepare_cpu_kernels(cache_dir)
+    if why_not:
+        typer.echo(f"warning: batch_invariant mode will be unavailable: {why_not}", err=True)
+    else:
+        typer.echo("C++ CPU kernels ready")
 
 
 @app.command("generate")

@@ -15,6 +15,18 @@ from gateway.services import completions
 from gateway.services.keys import Principal
 
 
+def _model_card(runtime: Runtime) -> dict[str, Any]:
+    engine = runtime.engine
+    # Extension: the determinism modes a request may name here (the tenant's policy may narrow them).
+    return {
+        "id": engine.model_name,
+        "object": "model",
+        "created": 0,
+        "owned_by": "kvgate",
+        "determinism_modes": list(engine.determinism.modes),
+    }
+
+
 class OpenAIController(Controller):
     path = "/v1"
     guards = [requires_tenant]
@@ -58,14 +70,10 @@ class OpenAIController(Controller):
         """List the served model.
 
         Returns:
-            An OpenAI ``list`` of ``model`` objects.
+            An OpenAI ``list`` of ``model`` objects; ``determinism_modes`` (extension) names the modes
+            this server can run.
         """
-        return {
-            "object": "list",
-            "data": [
-                {"id": runtime.engine.model_name, "object": "model", "created": 0, "owned_by": "kvgate"}
-            ],
-        }
+        return {"object": "list", "data": [_model_card(runtime)]}
 
     @get("/models/{model_id:path}", sync_to_thread=False)
     def get_model(self, runtime: Runtime, model_id: str) -> dict[str, Any]:
@@ -78,4 +86,4 @@ class OpenAIController(Controller):
 
         if model_id.lstrip("/") != runtime.engine.model_name:
             raise NotFound("The model does not exist.", code="model_not_found", param="model")
-        return {"id": runtime.engine.model_name, "object": "model", "created": 0, "owned_by": "kvgate"}
+        return _model_card(runtime)

@@ -12,11 +12,14 @@ from litestar.response import Stream
 
 from engine.errors import InvalidRequestError
 from gateway import openai_format as fmt
+from gateway.audit_hook import AuditUnavailableError
 from gateway.errors import ClientError, InvalidRequest, ServiceUnavailable
 from gateway.runtime import Runtime
 from gateway.schemas.openai import ChatCompletionRequest, CompletionRequest
+from gateway.services import retention
 from gateway.services.admission import Admission, admit
 from gateway.services.keys import Principal
+from gateway.services.receipts import Receipt
 
 log = structlog.get_logger()
 
@@ -38,20 +41,52 @@ class _Progress:
         return len(adm.prompt_token_ids), num_completion, num_cached
 
 
+async def _maybe_retain(rt: Runtime, adm: Admission, last: Any) -> None:
+    """Keep the prompt and what was generated, encrypted, when the tenant's policy asks for it."""
+    if adm.retain_days and last is not None:
+        texts = [o.text for o in last.outputs]
+        tenant_id = adm.principal.tenant_id or ""
+        await retention.retain(rt, tenant_id, adm.request_id, adm.retained_prompt, texts, adm.retain_days)
+
+
+async def _settle_audited(rt: Runtime, adm: Admission, usage: tuple[int, int, int], fields: dict) -> None:
+    """Settle and record ``request.finished`` in one transaction when the audit sink can join it. The
+    event is not required (the work is done), so when it cannot be recorded the settlement still is."""
+    try:
+        step = rt.audit.step("request.finished", **fields)
+    except AuditUnavailableError:  # already logged; settle anyway, and emit() below tries once more
+        step = None
+    try:
+        try:
+            await rt.quota.settle(adm.reservation, *usage, then=step)
+        except AuditUnavailableError:
+            await rt.quota.settle(adm.reservation, *usage)
+    except Exception as e:  # noqa: BLE001
+        log.error("quota.settle_failed", request_id=adm.request_id, error_type=type(e).__name__, exc_info=e)
+    if step is None:
+        await rt.audit.emit("request.finished", required=False, **fields)
+
+
 async def _finish(rt: Runtime, adm: Admission, progress: _Progress) -> None:
     """Settle, record metrics and audit. Shielded: it must complete even when the client went away."""
     with anyio.CancelScope(shield=True):
         if not progress.is_done:
             rt.engine.abort(adm.request_id)
         num_prompt, num_completion, num_cached = progress.usage(adm)
-        try:
-            await rt.quota.settle(adm.reservation, num_prompt, num_completion, num_cached)
-        except Exception as e:  # noqa: BLE001
-            log.error(
-                "quota.settle_failed", request_id=adm.request_id, error_type=type(e).__name__, exc_info=e
-            )
         last = progress.last
-        reasons = [] if last is None else [o.finish_reason for o in last.outputs]
+        await _maybe_retain(rt, adm, last)
+        fields = {
+            "request_id": adm.request_id,
+            "tenant_id": adm.principal.tenant_id,
+            "key_id": adm.principal.key_id,
+            "finish_reasons": [] if last is None else [o.finish_reason for o in last.outputs],
+            "num_prompt_tokens": num_prompt,
+            "num_completion_tokens": num_completion,
+            "num_cached_tokens": num_cached,
+            "is_aborted": not progress.is_done,
+            **Receipt.of(adm, last).fields(),  # the determinism receipt `kvgate replay` checks
+        }
+        await _settle_audited(rt, adm, (num_prompt, num_completion, num_cached), fields)
         m = None if last is None else last.metrics
         rt.metrics.observe_finished(
             adm.principal.tenant_id or "",
@@ -61,18 +96,6 @@ async def _finish(rt: Runtime, adm: Admission, progress: _Progress) -> None:
             num_completion,
             getattr(m, "time_to_first_token", None),
             getattr(m, "mean_time_per_output_token", None),
-        )
-        await rt.audit.emit(
-            "request.finished",
-            required=False,
-            request_id=adm.request_id,
-            tenant_id=adm.principal.tenant_id,
-            key_id=adm.principal.key_id,
-            finish_reasons=reasons,
-            num_prompt_tokens=num_prompt,
-            num_completion_tokens=num_completion,
-            num_cached_tokens=num_cached,
-            is_aborted=not progress.is_done,
         )
 
 
@@ -113,7 +136,14 @@ async def _run_whole(rt: Runtime, adm: Admission) -> dict[str, Any]:
     last = progress.last
     usage = fmt.usage_dict(*progress.usage(adm))
     return fmt.full_response(
-        adm.kind, adm.request_id, adm.created, adm.model, last.outputs, usage, rt.token_text
+        adm.kind,
+        adm.request_id,
+        adm.created,
+        adm.model,
+        last.outputs,
+        usage,
+        rt.token_text,
+        system_fingerprint=last.system_fingerprint,
     )
 
 
@@ -130,7 +160,21 @@ def _chunks(
         progress.num_chars[o.index] = len(o.text)
     if not choices:
         return []
-    return [fmt.sse(fmt.chunk(adm.kind, adm.request_id, adm.created, adm.model, choices, include_usage))]
+    return [fmt.sse(_chunk(adm, choices, include_usage))]
+
+
+def _chunk(adm: Admission, choices: list[dict[str, Any]], include_usage: bool, usage: Any = None) -> dict:
+    # The fingerprint of the request's mode is known at admission, so even the role chunk carries it.
+    return fmt.chunk(
+        adm.kind,
+        adm.request_id,
+        adm.created,
+        adm.model,
+        choices,
+        include_usage,
+        usage,
+        system_fingerprint=adm.system_fingerprint,
+    )
 
 
 async def _stream(
@@ -139,7 +183,7 @@ async def _stream(
     try:
         if adm.kind == "chat":
             roles = [fmt.role_choice(i) for i in range(adm.params.n)]
-            yield fmt.sse(fmt.chunk("chat", adm.request_id, adm.created, adm.model, roles, include_usage))
+            yield fmt.sse(_chunk(adm, roles, include_usage))
         outs = [first] if first is not None else []
         for out in outs:
             for data in _chunks(adm, out, progress, include_usage, rt.token_text):
@@ -151,7 +195,7 @@ async def _stream(
                     yield data
         if include_usage:
             usage = fmt.usage_dict(*progress.usage(adm))
-            yield fmt.sse(fmt.chunk(adm.kind, adm.request_id, adm.created, adm.model, [], True, usage))
+            yield fmt.sse(_chunk(adm, [], True, usage))
         yield fmt.SSE_DONE
     except RuntimeError as e:  # the engine died mid-stream: tell the client in-band
         yield fmt.sse(

@@ -1,0 +1,130 @@
+"""Determinism modes, the batch-invariance self-check, system fingerprints and output hash chains."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+
+import torch
+
+logger = logging.getLogger("kvgate.engine")
+
+FAST, FIXED, BATCH_INVARIANT = "fast", "fixed", "batch_invariant"
+MODES = (FAST, FIXED, BATCH_INVARIANT)
+ENGINE_VERSION = "0.2.0"
+# A matmul's per-row result depends on the call's row count: BLAS picks gemv/small-M kernels, K blocking
+# and thread splits by shape (measured on 2-core Xeons: rows change below 12 and again at 63..129 rows for
+# K=1536 but not for K=576). Batch-invariant steps therefore run every matmul as calls of exactly this many
+# rows (the last tile zero-padded), so each row always goes through one shape; the self-check proves that
+# position and neighbours within a tile do not matter on this machine and thread count.
+INVARIANT_TILE_ROWS = 32
+
+
+def check_mode(mode: str | None, field: str = "determinism") -> None:
+    if mode is not None and mode not in MODES:
+        raise ValueError(f"{field} must be one of {MODES}, got {mode!r}")
+
+
+def tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tile: int) -> torch.Tensor:
+    """``F.linear`` as calls of exactly ``tile`` rows (0: one plain call), so a row's result never
+    depends on how many rows share the step."""
+    n = x.shape[0]
+    if tile <= 0:
+        return torch.nn.functional.linear(x, weight, bias)
+    padded_rows = -(-n // tile) * tile
+    if padded_rows != n:
+        padded = x.new_zeros((padded_rows, x.shape[1]))
+        padded[:n] = x
+        x = padded
+    if padded_rows == tile:
+        return torch.nn.functional.linear(x, weight, bias)[:n]
+    out = torch.cat([torch.nn.functional.linear(x[i:i + tile], weight, bias) for i in range(0, padded_rows, tile)])
+    return out[:n]
+
+
+def verify_row_invariance(weights: list[torch.Tensor], max_rows: int, seed: int = 0) -> str | None:
+    """Check, on this machine and thread count, that a row's ``tiled_linear`` result does not depend on
+    how many rows share the call, where it sits, or what its neighbours hold. None when it holds, else
+    what broke."""
+    gen = torch.Generator().manual_seed(seed)
+    tile = INVARIANT_TILE_ROWS
+    sizes = sorted({1, 2, 7, tile - 1, tile, tile + 1, 47, 64, 129, max_rows})
+    for w in weights:
+        probe = torch.randn(1, w.shape[1], generator=gen, dtype=w.dtype)
+        ref = tiled_linear(probe, w, None, tile)[0]
+        for m in sizes:
+            batch = torch.randn(m, w.shape[1], generator=gen, dtype=w.dtype)
+            for pos in sorted({0, m - 1, int(torch.randint(m, (1,), generator=gen))}):
+                batch[pos] = probe[0]
+                if not torch.equal(tiled_linear(batch, w, None, tile)[pos], ref):
+                    return f"a [{m}, {w.shape[1]}] x [{w.shape[1]}, {w.shape[0]}] tiled matmul changed row {pos}"
+    return None
+
+
+def system_fingerprint(weights_digest: str, tokenizer_digest: str, mode: str, kernel_config: dict) -> str:
+    """``fp_`` + a hash of everything that decides the output bits: weights, tokenizer, engine version,
+    dtype, determinism mode and kernel configuration."""
+    parts = [weights_digest, tokenizer_digest, ENGINE_VERSION, mode]
+    parts += [f"{k}={kernel_config[k]}" for k in sorted(kernel_config)]
+    return "fp_" + hashlib.blake2b("|".join(parts).encode(), digest_size=8).hexdigest()
+
+
+class TokenHashChain:
+    """h0 = H(fingerprint); h(i+1) = H(h(i) || token i): a receipt that proves a replay produced the
+    same tokens without storing them."""
+
+    __slots__ = ("digest",)
+
+    def __init__(self, fingerprint: str) -> None:
+        self.digest = hashlib.blake2b(fingerprint.encode(), digest_size=16).digest()
+
+    def add(self, token_id: int) -> None:
+        self.digest = hashlib.blake2b(self.digest + token_id.to_bytes(8, "little"), digest_size=16).digest()
+
+    @classmethod
+    def of(cls, fingerprint: str, token_ids: list[int]) -> str:
+        chain = cls(fingerprint)
+        for t in token_ids:
+            chain.add(t)
+        return chain.digest.hex()
+
+    def hexdigest(self) -> str:
+        return self.digest.hex()
+
+
+def weights_digest(model: torch.nn.Module) -> str:
+    """BLAKE2b over every parameter's name, dtype, shape and bytes (about 0.5 s for 135M parameters)."""
+    h = hashlib.blake2b(digest_size=16)
+    for name, p in model.named_parameters():
+        h.update(f"{name}|{p.dtype}|{tuple(p.shape)}".encode())
+        h.update(p.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def tokenizer_digest(tokenizer) -> str:
+    """Hash of the tokenizer's full serialized state (fast tokenizers) or its vocabulary."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    material = backend.to_str() if backend is not None else repr(sorted(tokenizer.get_vocab().items()))
+    material += repr(getattr(tokenizer, "chat_template", None))
+    return hashlib.blake2b(material.encode(), digest_size=16).hexdigest()
+
+
+class Determinism:
+    """What the engine can promise: the modes it serves, why batch_invariant is off if it is, and one
+    system fingerprint per mode."""
+
+    def __init__(self, modes: tuple[str, ...], fingerprint_parts: tuple[str, str], kernel_config: dict,
+                 bi_error: str | None = None, schedule_config: dict | None = None) -> None:
+        self.bi_error = bi_error
+        self.modes = tuple(m for m in modes if m != BATCH_INVARIANT or bi_error is None)
+        # Only fixed mode's bits depend on how steps are cut (batch and chunk sizes).
+        per_mode = {m: kernel_config | (schedule_config or {}) if m == FIXED else kernel_config for m in MODES}
+        self.fingerprints = {m: system_fingerprint(*fingerprint_parts, m, per_mode[m]) for m in MODES}
+
+    def resolve(self, requested: str | None, default: str) -> str:
+        """The mode a request runs in; raises ValueError if this engine cannot honour it."""
+        mode = requested or default
+        if mode not in self.modes:
+            why = f": {self.bi_error}" if mode == BATCH_INVARIANT and self.bi_error else ""
+            raise ValueError(f"determinism mode {mode!r} is not available on this engine{why}")
+        return mode

@@ -1,0 +1,245 @@
+"""``kvgate replay``: re-run a recorded request from its audit receipt and check that it reproduces."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+
+from gateway.cli import app
+from gateway.cli.common import DataDirOpt, DbUrlOpt, build_settings, run
+
+if TYPE_CHECKING:
+    from gateway.services.receipts import Receipt
+
+EXIT_MATCH, EXIT_OUTPUT_DIFFERS, EXIT_CANNOT_REPLAY, EXIT_PROMPT_DIFFERS, EXIT_OTHER_SYSTEM = 0, 1, 2, 3, 4
+_REPLAY_KV_BYTES = 256 << 20  # one request needs little KV; the server's pool size never changes the bits
+_FIXED_LIMIT = (
+    "a fixed-mode request reproduces on its own only if it ran alone on the server (nothing else in "
+    "flight, cold prefix cache); otherwise replay the whole recorded stream (engine.replay.run_stream)."
+)
+
+# One line per paragraph: the help renderer keeps hard line breaks.
+_HELP = "\n\n".join(
+    [
+        "Re-run a recorded request and check that it reproduces.",
+        "RECORD is the request id, or the audit event id of its request.admitted or request.finished "
+        "event, read from the audit trail in --db-url / --data-dir (the data dir also holds the key of the "
+        "keyed prompt hash).",
+        "Give the prompt exactly as sent: --prompt-file for /v1/completions (the file's bytes as UTF-8, "
+        "a trailing newline included; with --token-ids a JSON array of token ids), --messages-file for "
+        '/v1/chat/completions (a JSON list of messages, or a request body with "messages"); the chat '
+        "template is applied exactly as the gateway does. The request runs alone in a local engine built "
+        "from the same settings as `kvgate serve` (--model, --dtype, --device, KVGATE_* variables) with the "
+        "recorded parameters, seed and mode.",
+        "Only fixed and batch_invariant requests carry token hashes to check. batch_invariant reproduces "
+        f"whatever else ran beside it; {_FIXED_LIMIT}",
+        f"Exit codes: {EXIT_MATCH} reproduced (prompt, system fingerprint and every choice's token hash "
+        f"match); {EXIT_OUTPUT_DIFFERS} the output differs; {EXIT_CANNOT_REPLAY} cannot replay (unknown "
+        f"record, fast mode, aborted request, bad input); {EXIT_PROMPT_DIFFERS} the prompt does not match "
+        f"the recorded hash (nothing is run); {EXIT_OTHER_SYSTEM} the output matches but the system "
+        "fingerprint differs (other weights, tokenizer, engine version, dtype or kernel settings).",
+    ]
+)
+
+
+class ReplayError(Exception):
+    """The request cannot be replayed; the message says why."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Record:
+    event_id: str
+    request_id: str
+    data: dict[str, Any]
+
+
+async def _find_record(db_url: str, ref: str) -> _Record:
+    """The ``request.finished`` event of the request ``ref`` names (a request id or any event id of it)."""
+    import orjson
+    from sqlalchemy import exc, or_, select
+
+    from audit.events import REQUEST_FINISHED
+    from audit.store import make_audit_engine
+    from audit.tables import audit_events as ev
+
+    by_event = select(ev.c.request_id).where(ev.c.event_id == ref).scalar_subquery()
+    query = (
+        select(ev.c.event_id, ev.c.request_id, ev.c.data)
+        .where(ev.c.name == REQUEST_FINISHED, or_(ev.c.request_id == ref, ev.c.request_id == by_event))
+        .order_by(ev.c.seq.desc())
+        .limit(1)
+    )
+    engine = make_audit_engine(db_url)
+    try:
+        async with engine.connect() as conn:
+            row = (await conn.execute(query)).first()
+    except exc.SQLAlchemyError as e:
+        raise ReplayError(f"cannot read the audit trail: {type(e).__name__}") from None
+    finally:
+        await engine.dispose()
+    if row is None:
+        raise ReplayError(f"no finished request {ref!r} in the audit trail (request id or event id)")
+    return _Record(row.event_id, row.request_id, orjson.loads(row.data))
+
+
+def _receipt(record: _Record) -> Receipt:
+    from gateway.services.receipts import Receipt
+
+    try:
+        receipt = Receipt.from_fields(record.data)
+    except (ValueError, TypeError) as e:
+        raise ReplayError(f"request {record.request_id} cannot be replayed: {e}") from None
+    if receipt.determinism == "fast" or not receipt.token_hashes:
+        raise ReplayError(
+            "fast mode records no token hash, so there is nothing to check (fast promises "
+            "only seeded sampling); ask for fixed or batch_invariant to get a receipt"
+        )
+    if record.data.get("is_aborted"):
+        raise ReplayError("the request was aborted before it finished; its partial output cannot be replayed")
+    if receipt.prompt_hash is None:
+        raise ReplayError(
+            "the record has no keyed prompt hash (the audit store was off), so the prompt cannot be checked"
+        )
+    if receipt.temperature > 0 and receipt.seed is None:
+        raise ReplayError(
+            "the request sampled without a recorded seed; only greedy or seeded requests replay"
+        )
+    return receipt
+
+
+def _read_prompt(
+    receipt: Receipt, prompt_file: Path | None, messages_file: Path | None, token_ids: bool
+) -> Any:
+    """The request the caller sent, rebuilt from the files through the API's own schemas."""
+    from pydantic import ValidationError
+
+    from gateway.schemas.openai import ChatCompletionRequest, CompletionRequest
+
+    want, given = (
+        ("--messages-file", messages_file) if receipt.kind == "chat" else ("--prompt-file", prompt_file)
+    )
+    if given is None or (prompt_file is not None and messages_file is not None):
+        endpoint = "a chat completion" if receipt.kind == "chat" else "a text completion"
+        raise ReplayError(f"the recorded request was {endpoint}: give its prompt with {want} (only)")
+    try:
+        raw = given.read_bytes().decode("utf-8")  # bytes: text mode would rewrite \r\n
+        if receipt.kind == "chat":
+            data = json.loads(raw)
+            messages = data.get("messages") if isinstance(data, dict) else data
+            return ChatCompletionRequest(model=receipt.model, messages=messages)
+        return CompletionRequest(model=receipt.model, prompt=json.loads(raw) if token_ids else raw)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, ValidationError) as e:
+        detail = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ReplayError(f"cannot read the prompt from {given}: {detail}") from None
+
+
+def _prompt_ids(settings: Any, request: Any) -> list[int]:
+    from engine.loader import load_tokenizer, resolve_model_dir
+    from gateway.errors import GatewayError
+    from gateway.schemas.openai import ChatCompletionRequest
+    from gateway.services.admission import chat_token_ids, text_token_ids
+
+    tokenizer = load_tokenizer(resolve_model_dir(settings.model))
+    try:
+        if isinstance(request, ChatCompletionRequest):
+            return chat_token_ids(tokenizer, request)
+        return text_token_ids(tokenizer, request)
+    except GatewayError as e:
+        raise ReplayError(e.message) from None
+
+
+def _prompt_hash(data_dir: Path, prompt_ids: list[int]) -> str:
+    from audit.keys import CHAIN_KEY_FILE, load_or_create_keys
+    from gateway.services.receipts import prompt_ids_hash
+
+    if not (data_dir / CHAIN_KEY_FILE).is_file():  # never create keys here: the hash could not match
+        raise ReplayError(f"no audit keys in {data_dir}: give the gateway's --data-dir")
+    return prompt_ids_hash(load_or_create_keys(data_dir), prompt_ids)
+
+
+def _run(settings: Any, receipt: Receipt, prompt_ids: list[int]) -> Any:
+    """The request, alone, in a fresh engine built like the server's."""
+    from engine import LLMEngine
+    from engine.replay import StreamItem, run_stream
+
+    config = settings.engine_config()
+    if config.num_kv_blocks is None:
+        config.kv_cache_memory = _REPLAY_KV_BYTES
+    try:
+        engine = LLMEngine(config)
+        if engine.model_name != receipt.model:
+            typer.echo(f"warning: recorded model {receipt.model!r}, replaying on {engine.model_name!r}")
+        item = StreamItem(0, "replay", prompt_ids, receipt.sampling_params())
+        return run_stream(engine, [item])["replay"], engine.determinism.fingerprints[receipt.determinism]
+    except ValueError as e:  # InvalidRequestError, PromptTooLongError, ModelLoadError, bad settings
+        raise ReplayError(f"the engine refused the replay: {e}") from None
+
+
+def _verdict(receipt: Receipt, out: Any, fingerprint: str) -> int:
+    """Print the comparison; return the exit code."""
+    from engine.determinism import TokenHashChain
+
+    same_system = fingerprint == receipt.system_fingerprint
+    if same_system:
+        typer.echo(f"system fingerprint: {fingerprint} matches")
+    else:
+        typer.echo(
+            f"system fingerprint: DIFFERS: recorded {receipt.system_fingerprint}, this engine "
+            f"{fingerprint} (other weights, tokenizer, engine version, dtype or kernel settings)"
+        )
+    # The chain is keyed by the recorded fingerprint, so equal tokens match even on another system.
+    matches = []
+    for o, recorded in zip(out.outputs, receipt.token_hashes, strict=False):
+        ok = TokenHashChain.of(receipt.system_fingerprint, o.token_ids) == recorded
+        matches.append(ok)
+        typer.echo(
+            f"choice {o.index}: {len(o.token_ids)} tokens, token hash {'matches' if ok else 'DIFFERS'}"
+        )
+    if len(out.outputs) != len(receipt.token_hashes) or not all(matches):
+        typer.echo("REPLAY DIFFERS: the output is not the recorded one")
+        if receipt.determinism == "fixed" and same_system:
+            typer.echo(f"note: {_FIXED_LIMIT}")
+        return EXIT_OUTPUT_DIFFERS
+    if not same_system:
+        typer.echo("output reproduced, but on a different system fingerprint")
+        return EXIT_OTHER_SYSTEM
+    typer.echo("REPLAY MATCHES")
+    return EXIT_MATCH
+
+
+@app.command("replay", help=_HELP)
+def replay_cmd(
+    record: Annotated[str, typer.Argument(help="Request id, or an audit event id of that request.")],
+    prompt_file: Annotated[Path | None, typer.Option(help="The prompt of a /v1/completions request.")] = None,
+    messages_file: Annotated[
+        Path | None, typer.Option(help="JSON messages of a /v1/chat/completions request.")
+    ] = None,
+    token_ids: Annotated[bool, typer.Option(help="--prompt-file holds a JSON array of token ids.")] = False,
+    data_dir: DataDirOpt = None,
+    db_url: DbUrlOpt = None,
+    model: Annotated[str | None, typer.Option(help="Model dir or GGUF, as served (KVGATE_MODEL).")] = None,
+    dtype: Annotated[str | None, typer.Option(help="As served (KVGATE_DTYPE).")] = None,
+    device: Annotated[str | None, typer.Option(help="As served (KVGATE_DEVICE).")] = None,
+) -> None:
+    settings = build_settings(data_dir=data_dir, db_url=db_url, model=model, dtype=dtype, device=device)
+    try:
+        rec = run(lambda: _find_record(settings.database_url, record))
+        receipt = _receipt(rec)
+        typer.echo(
+            f"request {rec.request_id} (event {rec.event_id}): {receipt.kind}, {receipt.determinism}, "
+            f"{receipt.num_choices} choice(s), max_tokens {receipt.max_tokens}"
+        )
+        prompt_ids = _prompt_ids(settings, _read_prompt(receipt, prompt_file, messages_file, token_ids))
+        if _prompt_hash(settings.data_dir, prompt_ids) != receipt.prompt_hash:
+            typer.echo(f"prompt: DIFFERS from the recorded keyed hash ({len(prompt_ids)} tokens); not run")
+            raise typer.Exit(EXIT_PROMPT_DIFFERS)
+        typer.echo(f"prompt: matches the recorded keyed hash ({len(prompt_ids)} tokens)")
+        out, fingerprint = _run(settings, receipt, prompt_ids)
+    except ReplayError as e:
+        typer.echo(f"cannot replay: {e}", err=True)
+        raise typer.Exit(EXIT_CANNOT_REPLAY) from None
+    raise typer.Exit(_verdict(receipt, out, fingerprint))
