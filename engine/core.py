@@ -54,6 +54,7 @@ class LLMEngine:
         self._rng = random.Random(config.seed)
         self.stats_tracker = StatsTracker()
         self.determinism = setup_determinism(config, self.loaded)
+        self.runner.tile_plan = self.determinism.tile_plan
         self.num_steps = 0
 
     # ---- requests -------------------------------------------------------------------------------

@@ -14,10 +14,14 @@ MODES = (FAST, FIXED, BATCH_INVARIANT)
 ENGINE_VERSION = "0.2.0"
 # A matmul's per-row result depends on the call's row count: BLAS picks gemv/small-M kernels, K blocking
 # and thread splits by shape (measured on 2-core Xeons: rows change below 12 and again at 63..129 rows for
-# K=1536 but not for K=576). Batch-invariant steps therefore run every matmul as calls of exactly this many
-# rows (the last tile zero-padded), so each row always goes through one shape; the self-check proves that
-# position and neighbours within a tile do not matter on this machine and thread count.
+# K=1536 but not for K=576). Batch-invariant steps therefore run every matmul as calls of fixed row counts
+# (tiles), the last zero-padded, so a row's bits never depend on the step's size. The base tile is always
+# allowed; a larger tile is used for a weight only when the start-up check shows it gives every row exactly
+# the bits the base tile gives (so which tiles a machine may use changes speed, never results).
 INVARIANT_TILE_ROWS = 32
+_LARGE_TILES = (256, 128, 64)
+
+Linear = tuple[torch.Tensor, torch.Tensor | None]  # (weight, bias)
 
 
 def check_mode(mode: str | None, field: str = "determinism") -> None:
@@ -25,39 +29,89 @@ def check_mode(mode: str | None, field: str = "determinism") -> None:
         raise ValueError(f"{field} must be one of {MODES}, got {mode!r}")
 
 
-def tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tile: int) -> torch.Tensor:
-    """``F.linear`` as calls of exactly ``tile`` rows (0: one plain call), so a row's result never
-    depends on how many rows share the step."""
-    n = x.shape[0]
-    if tile <= 0:
+def _tiles(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tile: int) -> torch.Tensor:
+    """``x`` (rows a multiple of ``tile``) as separate calls of ``tile`` rows."""
+    if x.shape[0] == tile:
         return torch.nn.functional.linear(x, weight, bias)
-    padded_rows = -(-n // tile) * tile
-    if padded_rows != n:
-        padded = x.new_zeros((padded_rows, x.shape[1]))
-        padded[:n] = x
-        x = padded
-    if padded_rows == tile:
-        return torch.nn.functional.linear(x, weight, bias)[:n]
-    out = torch.cat([torch.nn.functional.linear(x[i:i + tile], weight, bias) for i in range(0, padded_rows, tile)])
-    return out[:n]
+    return torch.cat([torch.nn.functional.linear(x[i:i + tile], weight, bias)
+                      for i in range(0, x.shape[0], tile)])
 
 
-def verify_row_invariance(weights: list[torch.Tensor], max_rows: int, seed: int = 0) -> str | None:
+class TilePlan:
+    """Per weight shape, the tile sizes (largest first, ending with ``INVARIANT_TILE_ROWS``) whose row
+    results are bitwise those of the base tile on this machine and thread count."""
+
+    def __init__(self, sizes: dict[tuple, tuple[int, ...]]) -> None:
+        self._sizes = sizes
+
+    @staticmethod
+    def _key(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple:
+        return (tuple(weight.shape), weight.dtype, weight.device.type, bias is not None)
+
+    @classmethod
+    def build(cls, linears: list[Linear], max_rows: int, seed: int = 0) -> TilePlan:
+        gen = torch.Generator().manual_seed(seed)
+        base = INVARIANT_TILE_ROWS
+        sizes: dict[tuple, tuple[int, ...]] = {}
+        for weight, bias in linears:
+            kept = []
+            for tile in _LARGE_TILES:
+                if tile > max(max_rows, base):
+                    continue
+                x = torch.randn(tile, weight.shape[1], generator=gen).to(weight)
+                if all(torch.equal(torch.nn.functional.linear(x, weight, bias), _tiles(x, weight, bias, base))
+                       for x in (x, x.flip(0) * 3)):
+                    kept.append(tile)
+            sizes[cls._key(weight, bias)] = (*kept, base)
+        return cls(sizes)
+
+    def sizes_for(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> tuple[int, ...]:
+        return self._sizes.get(self._key(weight, bias), (INVARIANT_TILE_ROWS,))
+
+
+def tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 plan: TilePlan | None) -> torch.Tensor:
+    """``F.linear``; with a plan, as tiles so a row's result never depends on how many rows share the
+    step: the largest proven tiles first, the rest in base tiles, the last one zero-padded."""
+    if plan is None:
+        return torch.nn.functional.linear(x, weight, bias)
+    n, sizes = x.shape[0], plan.sizes_for(weight, bias)
+    parts, start = [], 0
+    for tile in sizes[:-1]:
+        whole = (n - start) // tile * tile
+        if whole:
+            parts.append(_tiles(x[start:start + whole], weight, bias, tile))
+            start += whole
+    if start < n:
+        base = sizes[-1]
+        rest = x[start:]
+        padded_rows = -(-rest.shape[0] // base) * base
+        if padded_rows != rest.shape[0]:
+            padded = rest.new_zeros((padded_rows, x.shape[1]))
+            padded[:rest.shape[0]] = rest
+            rest = padded
+        parts.append(_tiles(rest, weight, bias, base)[:n - start])
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def verify_row_invariance(linears: list[Linear], max_rows: int, plan: TilePlan, seed: int = 0) -> str | None:
     """Check, on this machine and thread count, that a row's ``tiled_linear`` result does not depend on
     how many rows share the call, where it sits, or what its neighbours hold. None when it holds, else
     what broke."""
     gen = torch.Generator().manual_seed(seed)
     tile = INVARIANT_TILE_ROWS
-    sizes = sorted({1, 2, 7, tile - 1, tile, tile + 1, 47, 64, 129, max_rows})
-    for w in weights:
-        probe = torch.randn(1, w.shape[1], generator=gen, dtype=w.dtype)
-        ref = tiled_linear(probe, w, None, tile)[0]
-        for m in sizes:
-            batch = torch.randn(m, w.shape[1], generator=gen, dtype=w.dtype)
+    for weight, bias in linears:
+        sizes = sorted({1, 2, 7, tile - 1, tile, tile + 1, 47, 64, 129, 300, max_rows,
+                        *plan.sizes_for(weight, bias)})
+        probe = torch.randn(1, weight.shape[1], generator=gen).to(weight)
+        ref = tiled_linear(probe, weight, bias, plan)[0]
+        for m in (m for m in sizes if m <= max(max_rows, tile)):
+            batch = torch.randn(m, weight.shape[1], generator=gen).to(weight)
             for pos in sorted({0, m - 1, int(torch.randint(m, (1,), generator=gen))}):
                 batch[pos] = probe[0]
-                if not torch.equal(tiled_linear(batch, w, None, tile)[pos], ref):
-                    return f"a [{m}, {w.shape[1]}] x [{w.shape[1]}, {w.shape[0]}] tiled matmul changed row {pos}"
+                if not torch.equal(tiled_linear(batch, weight, bias, plan)[pos], ref):
+                    k, n = weight.shape[1], weight.shape[0]
+                    return f"a [{m}, {k}] x [{k}, {n}] tiled matmul changed row {pos}"
     return None
 
 
@@ -114,11 +168,14 @@ class Determinism:
     system fingerprint per mode."""
 
     def __init__(self, modes: tuple[str, ...], fingerprint_parts: tuple[str, str], kernel_config: dict,
-                 bi_error: str | None = None, schedule_config: dict | None = None) -> None:
+                 bi_error: str | None = None, schedule_config: dict | None = None,
+                 tile_plan: TilePlan | None = None) -> None:
         self.bi_error = bi_error
+        self.tile_plan = tile_plan if bi_error is None else None
         self.modes = tuple(m for m in modes if m != BATCH_INVARIANT or bi_error is None)
         # Only fixed mode's bits depend on how steps are cut (batch and chunk sizes).
-        per_mode = {m: kernel_config | (schedule_config or {}) if m == FIXED else kernel_config for m in MODES}
+        fixed_config = kernel_config | (schedule_config or {})
+        per_mode = {m: fixed_config if m == FIXED else kernel_config for m in MODES}
         self.fingerprints = {m: system_fingerprint(*fingerprint_parts, m, per_mode[m]) for m in MODES}
 
     def resolve(self, requested: str | None, default: str) -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.determinism import BATCH_INVARIANT, INVARIANT_TILE_ROWS
+from engine.determinism import BATCH_INVARIANT
 from engine.request import Sequence, TokenLogprobs
 from engine.sampler import sample
 from kernels import AttentionMetadata, DecodeGroup, InvariantRows, PrefillSpan
@@ -19,6 +19,7 @@ class ModelRunner:
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
+        self.tile_plan = None  # engine.determinism.TilePlan once batch_invariant is enabled
         self._offsets = torch.arange(block_size, device=device)
 
     def _slots(self, block_ids: list[int], start: int, end: int) -> torch.Tensor:
@@ -99,7 +100,7 @@ class ModelRunner:
             slot_parts += [self._slots(s.block_ids, s.num_computed_tokens, s.num_computed_tokens + n)
                            for s, n in bi]
             meta.invariant = self._invariant_rows(bi, q_start)
-            meta.linear_tile_rows = INVARIANT_TILE_ROWS
+            meta.linear_plan = self.tile_plan
         meta.slot_mapping = torch.cat(slot_parts)
         sample_rows, sample_seqs = self._sample_rows(order)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
@@ -130,6 +131,6 @@ class ModelRunner:
         hidden = self.model(input_ids, positions, meta, self.kv_caches)
         if not rows:
             return [], [], []
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)], meta.linear_tile_rows)
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)], meta.linear_plan)
         tokens, logprobs = sample(logits.cpu(), seqs)
         return seqs, tokens, logprobs

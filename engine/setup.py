@@ -16,6 +16,7 @@ from engine.determinism import (
     FIXED,
     INVARIANT_TILE_ROWS,
     Determinism,
+    TilePlan,
     tokenizer_digest,
     verify_row_invariance,
     weights_digest,
@@ -136,9 +137,9 @@ def setup_determinism(config: EngineConfig, loaded: LoadedModel) -> Determinism:
         if loaded.device.type == "cuda":
             torch.backends.cudnn.benchmark = False
             torch.backends.cudnn.deterministic = True
-    bi_error = None
+    bi_error, plan = None, None
     if BATCH_INVARIANT in config.determinism_modes:
-        bi_error = _enable_batch_invariance(config, loaded)
+        bi_error, plan = _enable_batch_invariance(config, loaded)
         if bi_error:
             logger.warning("batch_invariant mode disabled: %s", bi_error)
     kernel_config = {"dtype": str(loaded.dtype), "kv_dtype": str(loaded.kv_caches[0][0].dtype),
@@ -147,21 +148,25 @@ def setup_determinism(config: EngineConfig, loaded: LoadedModel) -> Determinism:
     parts = (weights_digest(loaded.model), tokenizer_digest(loaded.tokenizer))
     schedule = {"max_num_batched_tokens": config.max_num_batched_tokens, "max_num_seqs": config.max_num_seqs,
                 "enable_prefix_caching": config.enable_prefix_caching}
-    return Determinism(config.determinism_modes, parts, kernel_config, bi_error, schedule)
+    return Determinism(config.determinism_modes, parts, kernel_config, bi_error, schedule, plan)
 
 
-def _enable_batch_invariance(config: EngineConfig, loaded: LoadedModel) -> str | None:
-    """Load the C++ attention kernel and prove matmul row invariance here; return why not, or None."""
+def _enable_batch_invariance(config: EngineConfig, loaded: LoadedModel) -> tuple[str | None, TilePlan | None]:
+    """Load the C++ attention kernel, plan the matmul tiles and prove row invariance here; return
+    (why not, None) or (None, the tile plan)."""
     if loaded.device.type != "cpu":
-        return "batch-invariant kernels exist for the CPU path only so far"
+        return "batch-invariant kernels exist for the CPU path only so far", None
     if loaded.kv_caches[0][0].dtype != torch.float32:
-        return "batch_invariant needs a float32 KV cache"
+        return "batch_invariant needs a float32 KV cache", None
     try:
         load_cpu_kernels(Path(config.cache_dir) if config.cache_dir else default_cache_dir())
     except KernelBuildError as e:
-        return str(e)
+        return str(e), None
     with torch.inference_mode():
-        return verify_row_invariance(loaded.model.linear_weights(), config.max_num_batched_tokens)
+        linears = loaded.model.linears()
+        plan = TilePlan.build(linears, config.max_num_batched_tokens)
+        error = verify_row_invariance(linears, config.max_num_batched_tokens, plan)
+    return error, None if error else plan
 
 
 def prepare_cpu_kernels(cache_dir: str | None = None) -> str | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -70,7 +71,7 @@ class AttentionMetadata:
     decode_groups: list[DecodeGroup]
     prefills: list[PrefillSpan]
     invariant: InvariantRows | None = None
-    linear_tile_rows: int = 0  # pad matmuls to this many rows (batch-invariant steps)
+    linear_plan: Any = None  # engine.determinism.TilePlan: tiled matmuls (batch-invariant steps)
 
 
 _workspace: dict[tuple, torch.Tensor] = {}

@@ -6,8 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.determinism import tiled_linear
-from engine.errors import ModelLoadError
+from engine.determinism import TilePlan, tiled_linear
 from engine.loader import ModelConfig
 from kernels import AttentionMetadata, paged_attention, store_kv
 
@@ -26,8 +25,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
-def _linear(x: torch.Tensor, layer: nn.Linear, tile: int) -> torch.Tensor:
-    return tiled_linear(x, layer.weight, layer.bias, tile)
+def _linear(x: torch.Tensor, layer: nn.Linear, plan: TilePlan | None) -> torch.Tensor:
+    return tiled_linear(x, layer.weight, layer.bias, plan)
 
 
 class DecoderLayer(nn.Module):
@@ -48,7 +47,7 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
                 kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         # x: [T, hidden]
-        t, rows = x.shape[0], meta.linear_tile_rows
+        t, rows = x.shape[0], meta.linear_plan
         q, k, v = _linear(rms_norm(x, self.input_norm, self.eps), self.qkv, rows).split(self.split, dim=-1)
         q = apply_rope(q.view(t, self.num_heads, self.head_dim), cos, sin)
         k = apply_rope(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
@@ -87,16 +86,17 @@ class LlamaForCausalLM(nn.Module):
             x = layer(x, cos, sin, meta, kv)
         return x
 
-    def compute_logits(self, hidden: torch.Tensor, tile: int = 0) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, plan: TilePlan | None = None) -> torch.Tensor:
         """hidden: [N, hidden] → float32 logits [N, vocab]."""
         weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        return tiled_linear(rms_norm(hidden, self.norm, self.cfg.rms_norm_eps), weight, None, tile).float()
+        return tiled_linear(rms_norm(hidden, self.norm, self.cfg.rms_norm_eps), weight, None, plan).float()
 
-    def linear_weights(self) -> list[torch.Tensor]:
-        """One weight of each matmul shape the forward pass runs (for the batch-invariance self-check)."""
+    def linears(self) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """(weight, bias) of each matmul shape the forward pass runs (to plan and check batch-invariant
+        tiles)."""
         layer = self.layers[0]
         head = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        return [layer.qkv.weight, layer.o.weight, layer.gate_up.weight, layer.down.weight, head]
+        return [(m.weight, m.bias) for m in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [(head, None)]
 
     def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Fuse and copy transformers' parameter names into ours; every expected weight must be present."""
