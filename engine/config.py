@@ -42,6 +42,9 @@ class EngineConfig:
         determinism_modes: Modes this engine serves. ``fixed`` turns on torch's deterministic algorithms
             for the process; ``batch_invariant`` builds the C++ attention kernel (once, about 30 s) and
             checks at start-up that this machine's matmuls are row-invariant.
+        invariant_backend: Kernels of ``batch_invariant`` mode: ``auto`` (the C++ kernel and tiled BLAS
+            matmuls on the CPU, Triton kernels on CUDA), ``cpp`` or ``triton`` (on a CPU only under
+            ``TRITON_INTERPRET=1``, for tests).
     """
 
     model: str | None = None
@@ -65,6 +68,7 @@ class EngineConfig:
     cache_dir: str | None = None
     determinism: str = "fast"
     determinism_modes: tuple[str, ...] = MODES
+    invariant_backend: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -80,6 +84,8 @@ class EngineConfig:
         if not 0.0 < self.kv_cache_fraction <= 0.9:
             raise ValueError("kv_cache_fraction must be in (0, 0.9]")
         check_mode(self.determinism)
+        if self.invariant_backend not in ("auto", "cpp", "triton"):
+            raise ValueError(f"invariant_backend must be 'auto', 'cpp' or 'triton', got {self.invariant_backend!r}")
         for mode in self.determinism_modes:
             check_mode(mode, "determinism_modes")
         self.determinism_modes = tuple(self.determinism_modes)

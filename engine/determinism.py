@@ -38,11 +38,35 @@ def _tiles(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, til
 
 
 class TilePlan:
-    """Per weight shape, the tile sizes (largest first, ending with ``INVARIANT_TILE_ROWS``) whose row
-    results are bitwise those of the base tile on this machine and thread count."""
+    """The CPU plan of batch-invariant ops: BLAS matmuls in row tiles (per weight shape, the tile sizes,
+    largest first, ending with ``INVARIANT_TILE_ROWS``, whose row results are bitwise those of the base
+    tile on this machine and thread count), torch's per-row RMSNorm, the C++ attention kernel."""
+
+    attention_backend = "cpp"
+    rms_norm = None  # torch's: each row is reduced on its own on the CPU
 
     def __init__(self, sizes: dict[tuple, tuple[int, ...]]) -> None:
         self._sizes = sizes
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """The largest proven tiles first, the rest in base tiles, the last one zero-padded."""
+        n, sizes = x.shape[0], self.sizes_for(weight, bias)
+        parts, start = [], 0
+        for tile in sizes[:-1]:
+            whole = (n - start) // tile * tile
+            if whole:
+                parts.append(_tiles(x[start:start + whole], weight, bias, tile))
+                start += whole
+        if start < n:
+            base = sizes[-1]
+            rest = x[start:]
+            padded_rows = -(-rest.shape[0] // base) * base
+            if padded_rows != rest.shape[0]:
+                padded = rest.new_zeros((padded_rows, x.shape[1]))
+                padded[:rest.shape[0]] = rest
+                rest = padded
+            parts.append(_tiles(rest, weight, bias, base)[:n - start])
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     @staticmethod
     def _key(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple:
@@ -69,32 +93,39 @@ class TilePlan:
         return self._sizes.get(self._key(weight, bias), (INVARIANT_TILE_ROWS,))
 
 
+class TritonPlan:
+    """The GPU plan (kernels.triton_bi): one fixed-configuration matmul, one program per row for RMSNorm
+    and per (row, KV head) for attention; the row count never changes a row's arithmetic."""
+
+    attention_backend = "triton"
+
+    def __init__(self) -> None:
+        from kernels import triton_bi
+
+        self._ops = triton_bi
+        self.config = triton_bi.CONFIG
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return self._ops.bi_linear(x, weight, bias)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return self._ops.bi_rms_norm(x, weight, eps)
+
+    def sizes_for(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> tuple[int, ...]:
+        return ()
+
+
 def tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                 plan: TilePlan | None) -> torch.Tensor:
-    """``F.linear``; with a plan, as tiles so a row's result never depends on how many rows share the
-    step: the largest proven tiles first, the rest in base tiles, the last one zero-padded."""
+                 plan: TilePlan | TritonPlan | None) -> torch.Tensor:
+    """``F.linear``; with a plan, computed so a row's result never depends on how many rows share the
+    step."""
     if plan is None:
         return torch.nn.functional.linear(x, weight, bias)
-    n, sizes = x.shape[0], plan.sizes_for(weight, bias)
-    parts, start = [], 0
-    for tile in sizes[:-1]:
-        whole = (n - start) // tile * tile
-        if whole:
-            parts.append(_tiles(x[start:start + whole], weight, bias, tile))
-            start += whole
-    if start < n:
-        base = sizes[-1]
-        rest = x[start:]
-        padded_rows = -(-rest.shape[0] // base) * base
-        if padded_rows != rest.shape[0]:
-            padded = rest.new_zeros((padded_rows, x.shape[1]))
-            padded[:rest.shape[0]] = rest
-            rest = padded
-        parts.append(_tiles(rest, weight, bias, base)[:n - start])
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
+    return plan.linear(x, weight, bias)
 
 
-def verify_row_invariance(linears: list[Linear], max_rows: int, plan: TilePlan, seed: int = 0) -> str | None:
+def verify_row_invariance(linears: list[Linear], max_rows: int, plan: TilePlan | TritonPlan,
+                          seed: int = 0) -> str | None:
     """Check, on this machine and thread count, that a row's ``tiled_linear`` result does not depend on
     how many rows share the call, where it sits, or what its neighbours hold. None when it holds, else
     what broke."""
@@ -169,7 +200,7 @@ class Determinism:
 
     def __init__(self, modes: tuple[str, ...], fingerprint_parts: tuple[str, str], kernel_config: dict,
                  bi_error: str | None = None, schedule_config: dict | None = None,
-                 tile_plan: TilePlan | None = None) -> None:
+                 tile_plan: TilePlan | TritonPlan | None = None) -> None:
         self.bi_error = bi_error
         self.tile_plan = tile_plan if bi_error is None else None
         self.modes = tuple(m for m in modes if m != BATCH_INVARIANT or bi_error is None)

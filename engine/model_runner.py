@@ -56,7 +56,8 @@ class ModelRunner:
             row_seq += [i] * n
             row_ctx += range(s.num_computed_tokens + 1, s.num_computed_tokens + n + 1)
         def as_tensor(x): return torch.tensor(x, dtype=torch.long, device=self.device)
-        return InvariantRows(start, as_tensor(tables), as_tensor(row_seq), as_tensor(row_ctx))
+        return InvariantRows(start, as_tensor(tables), as_tensor(row_seq), as_tensor(row_ctx),
+                             self.tile_plan.attention_backend)
 
     def prepare(self, scheduled: list[tuple[Sequence, int]]):
         """Lay out the step: decodes (one new token) first, then prefill chunks, then every token of

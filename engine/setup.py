@@ -17,6 +17,7 @@ from engine.determinism import (
     INVARIANT_TILE_ROWS,
     Determinism,
     TilePlan,
+    TritonPlan,
     tokenizer_digest,
     verify_row_invariance,
     weights_digest,
@@ -135,6 +136,8 @@ def setup_determinism(config: EngineConfig, loaded: LoadedModel) -> Determinism:
     if FIXED in config.determinism_modes:
         torch.use_deterministic_algorithms(True)
         if loaded.device.type == "cuda":
+            # cuBLAS needs a fixed workspace for deterministic results (read when its handle is created).
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.backends.cudnn.benchmark = False
             torch.backends.cudnn.deterministic = True
     bi_error, plan = None, None
@@ -144,27 +147,42 @@ def setup_determinism(config: EngineConfig, loaded: LoadedModel) -> Determinism:
             logger.warning("batch_invariant mode disabled: %s", bi_error)
     kernel_config = {"dtype": str(loaded.dtype), "kv_dtype": str(loaded.kv_caches[0][0].dtype),
                      "threads": torch.get_num_threads(), "device": loaded.device.type,
-                     "block_size": config.block_size, "linear_tile_rows": INVARIANT_TILE_ROWS}
+                     "block_size": config.block_size, "linear_tile_rows": INVARIANT_TILE_ROWS,
+                     "invariant_kernels": getattr(plan, "config", None) or getattr(plan, "attention_backend", None)}
     parts = (weights_digest(loaded.model), tokenizer_digest(loaded.tokenizer))
     schedule = {"max_num_batched_tokens": config.max_num_batched_tokens, "max_num_seqs": config.max_num_seqs,
                 "enable_prefix_caching": config.enable_prefix_caching}
     return Determinism(config.determinism_modes, parts, kernel_config, bi_error, schedule, plan)
 
 
-def _enable_batch_invariance(config: EngineConfig, loaded: LoadedModel) -> tuple[str | None, TilePlan | None]:
-    """Load the C++ attention kernel, plan the matmul tiles and prove row invariance here; return
-    (why not, None) or (None, the tile plan)."""
-    if loaded.device.type != "cpu":
-        return "batch-invariant kernels exist for the CPU path only so far", None
-    if loaded.kv_caches[0][0].dtype != torch.float32:
-        return "batch_invariant needs a float32 KV cache", None
-    try:
-        load_cpu_kernels(Path(config.cache_dir) if config.cache_dir else default_cache_dir())
-    except KernelBuildError as e:
-        return str(e), None
+def _enable_batch_invariance(config: EngineConfig, loaded: LoadedModel
+                             ) -> tuple[str | None, TilePlan | TritonPlan | None]:
+    """Load the batch-invariant kernels for this device, plan the matmuls and prove row invariance here;
+    return (why not, None) or (None, the plan)."""
+    backend = config.invariant_backend
+    if backend == "auto":
+        backend = "triton" if loaded.device.type == "cuda" else "cpp"
+    plan: TilePlan | TritonPlan
+    if backend == "triton":
+        if loaded.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+            return "the Triton batch-invariant kernels run on a CPU only under TRITON_INTERPRET=1", None
+        try:
+            plan = TritonPlan()
+        except ImportError as e:
+            return f"the Triton batch-invariant kernels need triton: {e}", None
+    else:
+        if loaded.device.type != "cpu":
+            return "the C++ batch-invariant kernels run on the CPU only (use invariant_backend='triton')", None
+        if loaded.kv_caches[0][0].dtype != torch.float32:
+            return "batch_invariant on the CPU needs a float32 KV cache", None
+        try:
+            load_cpu_kernels(Path(config.cache_dir) if config.cache_dir else default_cache_dir())
+        except KernelBuildError as e:
+            return str(e), None
     with torch.inference_mode():
         linears = loaded.model.linears()
-        plan = TilePlan.build(linears, config.max_num_batched_tokens)
+        if backend == "cpp":
+            plan = TilePlan.build(linears, config.max_num_batched_tokens)
         error = verify_row_invariance(linears, config.max_num_batched_tokens, plan)
     return error, None if error else plan
 

@@ -50,6 +50,7 @@ class InvariantRows:
     block_tables: torch.Tensor  # [S, max_blocks] int64
     row_seq: torch.Tensor  # [R] int64
     row_ctx: torch.Tensor  # [R] int64
+    backend: str = "cpp"  # or "triton" (kernels.triton_bi)
 
 
 @dataclass(slots=True)
@@ -148,6 +149,9 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         out[s:s + n] = o[0].transpose(0, 1)
     if meta.invariant is not None:
         inv = meta.invariant
-        out[inv.start:] = paged_attention_rows(query[inv.start:].to(k_cache.dtype), k_cache, v_cache,
-                                               inv.block_tables, inv.row_seq, inv.row_ctx, scale)
+        rows_kernel = paged_attention_rows
+        if inv.backend == "triton":
+            from kernels.triton_bi import paged_attention_rows_triton as rows_kernel
+        out[inv.start:] = rows_kernel(query[inv.start:].to(k_cache.dtype), k_cache, v_cache,
+                                      inv.block_tables, inv.row_seq, inv.row_ctx, scale)
     return out.view(num_tokens, num_heads * head_dim).to(query.dtype)

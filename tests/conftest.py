@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
+import torch
+
+# Without a GPU the Triton kernels run in Triton's interpreter; triton reads this when it is first
+# imported (transformers may import it early), so it is set before anything else loads.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from engine import EngineConfig, LLMEngine
 from engine.loader import resolve_model_dir

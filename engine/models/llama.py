@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.determinism import TilePlan, tiled_linear
+from engine.determinism import TilePlan, TritonPlan, tiled_linear
+from engine.errors import ModelLoadError
 from engine.loader import ModelConfig
 from kernels import AttentionMetadata, paged_attention, store_kv
 
@@ -25,8 +26,15 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
-def _linear(x: torch.Tensor, layer: nn.Linear, plan: TilePlan | None) -> torch.Tensor:
+def _linear(x: torch.Tensor, layer: nn.Linear, plan: TilePlan | TritonPlan | None) -> torch.Tensor:
     return tiled_linear(x, layer.weight, layer.bias, plan)
+
+
+def _norm(x: torch.Tensor, weight: torch.Tensor, eps: float, plan: TilePlan | TritonPlan | None) -> torch.Tensor:
+    """RMSNorm; a batch-invariant plan may bring its own per-row kernel."""
+    if plan is not None and plan.rms_norm is not None:
+        return plan.rms_norm(x, weight, eps)
+    return rms_norm(x, weight, eps)
 
 
 class DecoderLayer(nn.Module):
@@ -47,13 +55,13 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
                 kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         # x: [T, hidden]
-        t, rows = x.shape[0], meta.linear_plan
-        q, k, v = _linear(rms_norm(x, self.input_norm, self.eps), self.qkv, rows).split(self.split, dim=-1)
+        t, rows = x.shape[0], meta.linear_plan  # rows: the batch-invariant plan, or None
+        q, k, v = _linear(_norm(x, self.input_norm, self.eps, rows), self.qkv, rows).split(self.split, dim=-1)
         q = apply_rope(q.view(t, self.num_heads, self.head_dim), cos, sin)
         k = apply_rope(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
         store_kv(k, v.view(t, self.num_kv_heads, self.head_dim), kv_cache[0], kv_cache[1], meta.slot_mapping)
         x = x + _linear(paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale), self.o, rows)
-        gate, up = _linear(rms_norm(x, self.post_norm, self.eps), self.gate_up, rows).chunk(2, dim=-1)
+        gate, up = _linear(_norm(x, self.post_norm, self.eps, rows), self.gate_up, rows).chunk(2, dim=-1)
         return x + _linear(F.silu(gate) * up, self.down, rows)
 
 
@@ -86,10 +94,10 @@ class LlamaForCausalLM(nn.Module):
             x = layer(x, cos, sin, meta, kv)
         return x
 
-    def compute_logits(self, hidden: torch.Tensor, plan: TilePlan | None = None) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, plan: TilePlan | TritonPlan | None = None) -> torch.Tensor:
         """hidden: [N, hidden] → float32 logits [N, vocab]."""
         weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        return tiled_linear(rms_norm(hidden, self.norm, self.cfg.rms_norm_eps), weight, None, plan).float()
+        return tiled_linear(_norm(hidden, self.norm, self.cfg.rms_norm_eps, plan), weight, None, plan).float()
 
     def linears(self) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         """(weight, bias) of each matmul shape the forward pass runs (to plan and check batch-invariant

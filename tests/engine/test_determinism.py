@@ -138,3 +138,36 @@ def test_batch_invariant_requests_never_share_blocks_with_fast_ones(tiny_engine_
     assert bi.num_cached_tokens == 0  # the fast request's blocks hold K/V from another kernel
     [bi_again] = engine.generate([prompt], _greedy("batch_invariant", 2))
     assert bi_again.num_cached_tokens == 48
+
+
+def test_triton_backend_is_batch_invariant_and_close_to_the_cpu_path(tiny_engine_factory, monkeypatch):
+    # The GPU path's kernels, run by the Triton interpreter on the CPU: the same invariance harness, and
+    # the same tokens as the C++ backend with logprobs within float32 noise.
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    prompt, params = random_prompt(random.Random(9), 40), _greedy("batch_invariant", 6)
+
+    def make(**layout):
+        return tiny_engine_factory(invariant_backend="triton", num_kv_blocks=48, **layout)
+
+    engine = make(max_num_batched_tokens=64)
+    assert "batch_invariant" in engine.determinism.modes, engine.determinism.bi_error
+    ref = Observation.of(run_alone(engine, prompt, params))
+    rng = random.Random(1)
+    for _ in range(2):
+        out = run_with_load(engine, rng, prompt, params, max_requests=3, max_prompt=40, max_tokens=4)
+        assert Observation.of(out) == ref
+    chunked = make(max_num_batched_tokens=16, enable_prefix_caching=False)  # prefill in 16-token chunks
+    assert Observation.of(run_alone(chunked, prompt, params)) == ref
+    cpu = run_alone(tiny_engine_factory(num_kv_blocks=48), prompt, params)
+    assert cpu.token_ids == list(ref.token_ids)
+    for lp, (theirs, _) in zip(cpu.logprobs, ref.logprobs, strict=True):
+        assert abs(lp.logprob - theirs) < 1e-4
+
+
+def test_triton_backend_on_cpu_needs_the_interpreter(tiny_engine_factory, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    engine = tiny_engine_factory(invariant_backend="triton")
+    assert "batch_invariant" not in engine.determinism.modes
+    assert "TRITON_INTERPRET" in engine.determinism.bi_error
+    with pytest.raises(InvalidRequestError, match="TRITON_INTERPRET"):
+        engine.add_request([1, 2, 3], _greedy("batch_invariant"))
