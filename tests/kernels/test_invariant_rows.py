@@ -9,7 +9,7 @@ import torch
 from engine.determinism import INVARIANT_TILE_ROWS, TilePlan, tiled_linear, verify_row_invariance
 from engine.setup import default_cache_dir
 from kernels import load_cpu_kernels, paged_attention_rows
-from kernels.reference import ref_paged_attention
+from tests.kernels.rows_case import rows_case
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -26,28 +26,8 @@ def _cache(num_kv_heads: int, head_dim: int, num_blocks: int, bs: int, seed: int
 
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (4, 4, 32), (8, 2, 80)])
 def test_rows_kernel_matches_reference(num_heads, num_kv_heads, head_dim):
-    bs, lens = 16, [1, 15, 16, 17, 200]
-    k, v, perm = _cache(num_kv_heads, head_dim, 64, bs, seed=num_heads)
-    tables, used = [], 0
-    for n in lens:
-        nb = -(-n // bs)
-        tables.append(perm[used:used + nb])
-        used += nb
-    width = max(len(t) for t in tables)
-    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables])
-    # Every sequence's last 3 positions (or fewer) as query rows, as a prefill chunk would ask.
-    row_seq, row_ctx, expected, queries = [], [], [], []
-    g = torch.Generator().manual_seed(1)
-    for s, n in enumerate(lens):
-        q_len = min(3, n)
-        q = torch.randn(q_len, num_heads, head_dim, generator=g)
-        queries.append(q)
-        expected.append(ref_paged_attention(q, k, v, tables[s], n, head_dim ** -0.5))
-        row_seq += [s] * q_len
-        row_ctx += list(range(n - q_len + 1, n + 1))
-    out = paged_attention_rows(torch.cat(queries), k, v, block_tables, torch.tensor(row_seq),
-                               torch.tensor(row_ctx), head_dim ** -0.5)
-    torch.testing.assert_close(out, torch.cat(expected), rtol=2e-5, atol=2e-6)
+    case = rows_case(num_heads, num_kv_heads, head_dim, [1, 15, 16, 17, 200], 3, seed=num_heads)
+    torch.testing.assert_close(paged_attention_rows(*case.args()), case.expected, rtol=2e-5, atol=2e-6)
 
 
 def test_rows_kernel_row_is_bitwise_independent_of_the_call():

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.reference import ref_paged_attention
 from kernels.triton_bi import bi_linear, bi_rms_norm, paged_attention_rows_triton
+from tests.kernels.rows_case import RowsCase, rows_case
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -18,7 +18,8 @@ def _rms_ref(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return w * h.to(x.dtype)
 
 
-@pytest.mark.parametrize(("m", "n", "k", "bias"), [(1, 96, 80, False), (70, 130, 64, True), (5, 64, 200, True)])
+@pytest.mark.parametrize(("m", "n", "k", "bias"),
+                         [(1, 96, 80, False), (70, 130, 64, True), (5, 64, 200, True)])
 def test_linear_matches_torch(m, n, k, bias):
     g = torch.Generator().manual_seed(m)
     x, w = torch.randn(m, k, generator=g).to(DEVICE), torch.randn(n, k, generator=g).to(DEVICE)
@@ -48,32 +49,10 @@ def test_rms_norm_matches_torch_and_keeps_rows():
 
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (4, 4, 32), (2, 1, 24)])
 def test_rows_attention_matches_reference(num_heads, num_kv_heads, head_dim):
-    bs, lens = 16, [1, 17, 40]
-    g = torch.Generator().manual_seed(num_heads)
-    k = torch.randn(16, bs, num_kv_heads, head_dim, generator=g)
-    v = torch.randn(16, bs, num_kv_heads, head_dim, generator=g)
-    perm = torch.randperm(16, generator=g).tolist()
-    tables, used = [], 0
-    for n in lens:
-        nb = -(-n // bs)
-        tables.append(perm[used:used + nb])
-        used += nb
-    width = max(len(t) for t in tables)
-    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables])
-    row_seq, row_ctx, queries, expected = [], [], [], []
-    for s, n in enumerate(lens):
-        q_len = min(2, n)
-        q = torch.randn(q_len, num_heads, head_dim, generator=g)
-        queries.append(q)
-        expected.append(ref_paged_attention(q, k, v, tables[s], n, head_dim ** -0.5))
-        row_seq += [s] * q_len
-        row_ctx += list(range(n - q_len + 1, n + 1))
-    out = paged_attention_rows_triton(torch.cat(queries).to(DEVICE), k.to(DEVICE), v.to(DEVICE),
-                                      block_tables.to(DEVICE), torch.tensor(row_seq, device=DEVICE),
-                                      torch.tensor(row_ctx, device=DEVICE), head_dim ** -0.5)
-    torch.testing.assert_close(out.cpu(), torch.cat(expected), rtol=2e-5, atol=2e-6)
-    # The same row asked alone gives the same bits.
-    alone = paged_attention_rows_triton(torch.cat(queries)[-1:].to(DEVICE), k.to(DEVICE), v.to(DEVICE),
-                                        block_tables.to(DEVICE), torch.tensor(row_seq[-1:], device=DEVICE),
-                                        torch.tensor(row_ctx[-1:], device=DEVICE), head_dim ** -0.5)
-    assert torch.equal(alone[0], out[-1])
+    case = rows_case(num_heads, num_kv_heads, head_dim, [1, 17, 40], 2, num_blocks=16, seed=num_heads)
+    out = paged_attention_rows_triton(*case.args(DEVICE))
+    torch.testing.assert_close(out.cpu(), case.expected, rtol=2e-5, atol=2e-6)
+    # The last row asked alone gives the same bits.
+    last = RowsCase(case.query[-1:], case.k_cache, case.v_cache, case.block_tables, case.row_seq[-1:],
+                    case.row_ctx[-1:], case.scale, case.expected[-1:])
+    assert torch.equal(paged_attention_rows_triton(*last.args(DEVICE))[0], out[-1])
