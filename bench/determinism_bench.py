@@ -27,16 +27,16 @@ def run_mode(mode: str, num_requests: int, seed: int) -> dict:
 
 
 def format_table(results: list[dict], base: dict | None) -> str:
-    rows = ["| mode | requests | gen tokens | tok/s | vs fast | TTFT p50 (s) | TTFT p99 (s) | latency p50 (s) "
-            "| latency p99 (s) |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    rows = ["| mode | requests | gen tokens | tok/s | vs fast | TTFT p50 (s) | TTFT p99 (s) "
+            "| latency p50 (s) | latency p99 (s) |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results:
         if "skipped" in r:
             rows.append(f"| {r['peer']} | skipped: {r['skipped']} ||||||||")
             continue
         ratio = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else "n/a"
-        rows.append(f"| {r['determinism']} | {r['requests']} | {r['generated_tokens']} | {r['tokens_per_s']:.1f} | "
-                    f"{ratio} | {r['ttft_p50_s']:.2f} | {r['ttft_p99_s']:.2f} | {r['latency_p50_s']:.2f} | "
-                    f"{r['latency_p99_s']:.2f} |")
+        rows.append(f"| {r['determinism']} | {r['requests']} | {r['generated_tokens']} | "
+                    f"{r['tokens_per_s']:.1f} | {ratio} | {r['ttft_p50_s']:.2f} | {r['ttft_p99_s']:.2f} | "
+                    f"{r['latency_p50_s']:.2f} | {r['latency_p99_s']:.2f} |")
     return "\n".join(rows)
 
 
@@ -53,7 +53,8 @@ def run_determinism_bench(num_requests: int, out: str, modes: list[str], seed: i
     Path(out).write_text(json.dumps({"results": results, "vs_fast": summary}, indent=2))
     print(format_table(results, base))
     for mode, s in summary.items():
-        print(f"{mode}: {s['throughput_vs_fast']:.2f}x fast throughput ({s['throughput_cost_vs_fast']:+.0%} cost)")
+        print(f"{mode}: {s['throughput_vs_fast']:.2f}x fast throughput "
+              f"({s['throughput_cost_vs_fast']:+.0%} cost)")
     print(f"JSON: {out}")
     return results
 

@@ -27,7 +27,8 @@ def _result(name, reqs, wall, ttfts, extra=None) -> dict:
     gen = sum(r.max_new_tokens for r in reqs)
     out = {"peer": name, "requests": len(reqs), "generated_tokens": gen, "prompt_tokens":
            sum(len(r.prompt_ids) for r in reqs), "wall_s": wall, "tokens_per_s": gen / wall,
-           "ttft_p50_s": percentile(ttfts, 50), "ttft_p99_s": percentile(ttfts, 99), "peak_rss_mib": _peak_rss_mib()}
+           "ttft_p50_s": percentile(ttfts, 50), "ttft_p99_s": percentile(ttfts, 99),
+           "peak_rss_mib": _peak_rss_mib()}
     out.update(extra or {})
     return out
 
@@ -122,7 +123,8 @@ def run_llamacpp(reqs: list[BenchRequest]) -> dict:
     try:
         from llama_cpp import Llama
     except ImportError:
-        return {"peer": "llama.cpp (Q4_1)", "skipped": "llama-cpp-python not installed (pip install '.[peers]')"}
+        return {"peer": "llama.cpp (Q4_1)",
+                "skipped": "llama-cpp-python not installed (pip install '.[peers]')"}
     from engine.loader import find_default_gguf
 
     llm = Llama(model_path=str(find_default_gguf()), n_ctx=1024, n_threads=os.cpu_count(), verbose=False)
@@ -158,7 +160,8 @@ def run_peer(peer: str, num_requests: int, hf_requests: int, seed: int) -> dict:
 
 
 def format_table(results: list[dict]) -> str:
-    rows = ["| peer | requests | gen tokens | tok/s | TTFT p50 (s) | TTFT p99 (s) | peak RSS (MiB) | KV tokens held |",
+    rows = ["| peer | requests | gen tokens | tok/s | TTFT p50 (s) | TTFT p99 (s) | peak RSS (MiB) "
+            "| KV tokens held |",
             "|---|---:|---:|---:|---:|---:|---:|---|"]
     for r in results:
         if "skipped" in r:
@@ -173,13 +176,15 @@ def format_table(results: list[dict]) -> str:
 
 def run_in_subprocess(module: str, peer: str, *args: object) -> dict:
     """Run ``python -m module peer args...``; its last stdout line is the JSON result."""
-    proc = subprocess.run([sys.executable, "-m", module, peer, *map(str, args)], capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", module, peer, *map(str, args)],
+                          capture_output=True, text=True)
     if proc.returncode != 0:
         return {"peer": peer, "skipped": f"failed: {proc.stderr.strip().splitlines()[-1:]}"}
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def run_engine_bench(num_requests: int, peers: list[str], hf_requests: int, out: str, seed: int = 0) -> list[dict]:
+def run_engine_bench(num_requests: int, peers: list[str], hf_requests: int, out: str,
+                     seed: int = 0) -> list[dict]:
     results = []
     for peer in peers:
         results.append(run_in_subprocess("bench.engine_bench", peer, num_requests, hf_requests, seed))

@@ -8,5 +8,5 @@ from engine.request import CompletionOutput, RequestMetrics, RequestOutput, Samp
 from engine.stats import EngineStats
 
 __all__ = ["AsyncLLMEngine", "CompletionOutput", "EngineConfig", "EngineStats", "InvalidRequestError",
-           "InvalidSamplingParamsError", "LLMEngine", "ModelLoadError", "PromptTooLongError", "RequestMetrics",
-           "RequestOutput", "SamplingParams", "TokenLogprobs"]
+           "InvalidSamplingParamsError", "LLMEngine", "ModelLoadError", "PromptTooLongError",
+           "RequestMetrics", "RequestOutput", "SamplingParams", "TokenLogprobs"]

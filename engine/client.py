@@ -112,7 +112,8 @@ class AsyncLLMEngine:
         if cmd[0] == "add":
             _, request_id, prompt, params, namespace, priority, stream, accepted = cmd
             try:
-                self.engine.add_request(prompt, params, request_id, cache_namespace=namespace, priority=priority)
+                self.engine.add_request(prompt, params, request_id, cache_namespace=namespace,
+                                        priority=priority)
             except Exception as e:  # validation errors go back to the caller
                 stream.loop.call_soon_threadsafe(_set_exception, accepted, e)
                 return

@@ -85,7 +85,8 @@ class EngineConfig:
             raise ValueError("kv_cache_fraction must be in (0, 0.9]")
         check_mode(self.determinism)
         if self.invariant_backend not in ("auto", "cpp", "triton"):
-            raise ValueError(f"invariant_backend must be 'auto', 'cpp' or 'triton', got {self.invariant_backend!r}")
+            raise ValueError(f"invariant_backend must be 'auto', 'cpp' or 'triton', "
+                             f"got {self.invariant_backend!r}")
         for mode in self.determinism_modes:
             check_mode(mode, "determinism_modes")
         self.determinism_modes = tuple(self.determinism_modes)

@@ -184,7 +184,8 @@ class LLMEngine:
                 del self.requests[request_id]
         return outputs
 
-    def generate(self, prompts: str | Seq[int] | list, params: SamplingParams | list[SamplingParams] | None = None,
+    def generate(self, prompts: str | Seq[int] | list,
+                 params: SamplingParams | list[SamplingParams] | None = None,
                  ) -> list[RequestOutput]:
         """Run prompts (strings or token-id lists) to completion; one result per prompt, in order.
 
@@ -192,7 +193,8 @@ class LLMEngine:
             prompts: One prompt or a list of prompts.
             params: One ``SamplingParams`` for all prompts, or a list with one per prompt.
         """
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
+                                        and isinstance(prompts[0], int)):
             prompts = [prompts]
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         if len(params_list) != len(prompts):

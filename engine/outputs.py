@@ -29,7 +29,8 @@ class _SampleText:
 
 class RequestState:
     def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, seqs: list[Sequence],
-                 tokenizer, eos_token_ids: tuple[int, ...], fingerprint: str = "", arrival_step: int = 0) -> None:
+                 tokenizer, eos_token_ids: tuple[int, ...], fingerprint: str = "",
+                 arrival_step: int = 0) -> None:
         self.request_id = request_id
         self.arrival_step = arrival_step
         self.fingerprint = fingerprint
@@ -91,23 +92,27 @@ class RequestState:
             outs.append(CompletionOutput(
                 index=seq.sample_index, token_ids=list(ids), text=sample.text,
                 new_token_ids=ids[sample.sent_tokens:], new_text=sample.text[sample.sent_text:],
-                finish_reason=finish, logprobs=list(seq.logprobs) if self.params.logprobs is not None else None,
+                finish_reason=finish,
+                logprobs=list(seq.logprobs) if self.params.logprobs is not None else None,
                 stop_reason=seq.stop_reason,
                 token_hash=TokenHashChain.of(self.fingerprint, ids) if seq.is_finished and seq.mode != FAST
                 else None))
             sample.sent_tokens, sample.sent_text = len(ids), len(sample.text)
         return RequestOutput(self.request_id, self.prompt_ids, outs, self.finished,
-                             self.seqs[0].num_cached_tokens, self._metrics(), self.seqs[0].mode, self.fingerprint)
+                             self.seqs[0].num_cached_tokens, self._metrics(), self.seqs[0].mode,
+                             self.fingerprint)
 
     def _metrics(self) -> RequestMetrics:
         seq = self.seqs[0]
-        m = RequestMetrics(arrival_time=seq.arrival_time, num_preemptions=sum(s.num_preemptions for s in self.seqs),
+        m = RequestMetrics(arrival_time=seq.arrival_time,
+                           num_preemptions=sum(s.num_preemptions for s in self.seqs),
                            arrival_step=self.arrival_step)
         if seq.first_scheduled_time is not None:
             m.queue_time = seq.first_scheduled_time - seq.arrival_time
         if seq.first_token_time is not None:
             m.time_to_first_token = seq.first_token_time - seq.arrival_time
         if len(seq.token_times) > 1:
-            m.mean_time_per_output_token = (seq.token_times[-1] - seq.token_times[0]) / (len(seq.token_times) - 1)
+            m.mean_time_per_output_token = ((seq.token_times[-1] - seq.token_times[0])
+                                            / (len(seq.token_times) - 1))
         m.finish_time = seq.finish_time
         return m

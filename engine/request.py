@@ -61,8 +61,10 @@ class SamplingParams:
                f"max_tokens must be a positive integer, got {self.max_tokens!r}")
         _check(_is_num(self.temperature) and 0.0 <= self.temperature <= 100.0,
                f"temperature must be a finite number in [0, 100], got {self.temperature!r}")
-        _check(_is_num(self.top_p) and 0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p!r}")
-        _check(_is_int(self.top_k) and self.top_k >= -1, f"top_k must be an integer >= -1, got {self.top_k!r}")
+        _check(_is_num(self.top_p) and 0.0 < self.top_p <= 1.0,
+               f"top_p must be in (0, 1], got {self.top_p!r}")
+        _check(_is_int(self.top_k) and self.top_k >= -1,
+               f"top_k must be an integer >= -1, got {self.top_k!r}")
         _check(self.seed is None or _is_int(self.seed), f"seed must be an integer, got {self.seed!r}")
         _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20),
                f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
@@ -123,7 +125,8 @@ class Sequence:
 
     def __init__(self, seq_id: int, request_id: str, sample_index: int, prompt_token_ids: list[int],
                  params: SamplingParams, *, arrival_time: float, priority: int = 0,
-                 cache_namespace: bytes = b"", sample_seed: int = 0, max_len: int, mode: str = "fast") -> None:
+                 cache_namespace: bytes = b"", sample_seed: int = 0, max_len: int,
+                 mode: str = "fast") -> None:
         self.seq_id = seq_id
         self.request_id = request_id
         self.sample_index = sample_index
@@ -182,7 +185,8 @@ class RequestMetrics:
     mean_time_per_output_token: float | None = None
     finish_time: float | None = None
     num_preemptions: int = 0
-    arrival_step: int = 0  # engine steps run before the request arrived: with arrival order, what a replay needs
+    # engine steps run before the request arrived: with arrival order, what a replay needs
+    arrival_step: int = 0
 
 
 @dataclass(slots=True)

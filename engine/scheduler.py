@@ -106,7 +106,8 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             leader = self.leaders.get(seq.seq_id)
-            if leader is not None and not leader.is_finished and leader.num_computed_tokens < leader.prompt_len:
+            if (leader is not None and not leader.is_finished
+                    and leader.num_computed_tokens < leader.prompt_len):
                 skipped.append(self.waiting.popleft())  # its prompt blocks are not cached yet
                 continue
             computed, num_cached = self.kv.get_computed_blocks(seq)

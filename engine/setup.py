@@ -148,7 +148,8 @@ def setup_determinism(config: EngineConfig, loaded: LoadedModel) -> Determinism:
     kernel_config = {"dtype": str(loaded.dtype), "kv_dtype": str(loaded.kv_caches[0][0].dtype),
                      "threads": torch.get_num_threads(), "device": loaded.device.type,
                      "block_size": config.block_size, "linear_tile_rows": INVARIANT_TILE_ROWS,
-                     "invariant_kernels": getattr(plan, "config", None) or getattr(plan, "attention_backend", None)}
+                     "invariant_kernels": (getattr(plan, "config", None)
+                                           or getattr(plan, "attention_backend", None))}
     parts = (weights_digest(loaded.model), tokenizer_digest(loaded.tokenizer))
     schedule = {"max_num_batched_tokens": config.max_num_batched_tokens, "max_num_seqs": config.max_num_seqs,
                 "enable_prefix_caching": config.enable_prefix_caching}
@@ -172,7 +173,8 @@ def _enable_batch_invariance(config: EngineConfig, loaded: LoadedModel
             return f"the Triton batch-invariant kernels need triton: {e}", None
     else:
         if loaded.device.type != "cpu":
-            return "the C++ batch-invariant kernels run on the CPU only (use invariant_backend='triton')", None
+            return ("the C++ batch-invariant kernels run on the CPU only "
+                    "(use invariant_backend='triton')"), None
         if loaded.kv_caches[0][0].dtype != torch.float32:
             return "batch_invariant on the CPU needs a float32 KV cache", None
         try:

@@ -35,7 +35,8 @@ def _cpu_tag() -> str:
                 break
     except OSError:
         pass
-    material = "|".join((platform.machine(), flags, torch.__version__, " ".join(_CFLAGS), _SOURCE.read_text()))
+    material = "|".join((platform.machine(), flags, torch.__version__, " ".join(_CFLAGS),
+                         _SOURCE.read_text()))
     return hashlib.sha256(material.encode()).hexdigest()[:16]
 
 

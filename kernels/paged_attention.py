@@ -85,7 +85,8 @@ def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, which: int) -> 
     key = (which, cache.dtype, cache.device, cache.shape[1:], torch.is_inference_mode_enabled())
     buf = _workspace.get(key)
     if buf is None or buf.shape[0] < n:
-        buf = _workspace[key] = torch.empty((max(n, 64), *cache.shape[1:]), dtype=cache.dtype, device=cache.device)
+        buf = _workspace[key] = torch.empty((max(n, 64), *cache.shape[1:]), dtype=cache.dtype,
+                                            device=cache.device)
     return torch.index_select(cache, 0, block_ids, out=buf[:n])
 
 

@@ -62,7 +62,8 @@ def bi_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
         return out
     grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N))
     _matmul_kernel[grid](x, weight, bias if bias is not None else weight, out, m, n, k,
-                         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), out.stride(0), out.stride(1),
+                         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
+                         out.stride(0), out.stride(1),
                          HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32,
                          BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K, num_warps=NUM_WARPS)
     return out
@@ -128,7 +129,8 @@ def _rows_attention_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, seq_ptr, ctx_ptr, o_
         acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
         m_i = m_new
     out = acc / l_i[:, None]
-    tl.store(o_ptr + r * sor + heads[:, None] * soh + d[None, :], out.to(o_ptr.dtype.element_ty), mask=gd_mask)
+    tl.store(o_ptr + r * sor + heads[:, None] * soh + d[None, :], out.to(o_ptr.dtype.element_ty),
+             mask=gd_mask)
 
 
 def paged_attention_rows_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

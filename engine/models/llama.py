@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2) over a flattened, unpadded token batch and a paged KV cache."""
+"""Llama-family decoder (Llama, Mistral, Qwen2) over a flattened, unpadded token batch and a paged KV
+cache."""
 
 from __future__ import annotations
 
@@ -30,7 +31,8 @@ def _linear(x: torch.Tensor, layer: nn.Linear, plan: TilePlan | TritonPlan | Non
     return tiled_linear(x, layer.weight, layer.bias, plan)
 
 
-def _norm(x: torch.Tensor, weight: torch.Tensor, eps: float, plan: TilePlan | TritonPlan | None) -> torch.Tensor:
+def _norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+          plan: TilePlan | TritonPlan | None) -> torch.Tensor:
     """RMSNorm; a batch-invariant plan may bring its own per-row kernel."""
     if plan is not None and plan.rms_norm is not None:
         return plan.rms_norm(x, weight, eps)
@@ -74,7 +76,8 @@ class LlamaForCausalLM(nn.Module):
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = (None if cfg.tie_word_embeddings
+                        else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False))
         self.init_rope(max_model_len)
 
     def init_rope(self, max_model_len: int) -> None:

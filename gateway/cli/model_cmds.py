@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Annotated
 
 import typer
 
@@ -15,7 +16,8 @@ app.add_typer(model_app, name="model")
 
 @model_app.command("prepare")
 def prepare(model: str = typer.Option(None, help="HF dir or .gguf; default: SmolLM2-135M-Instruct"),
-            cache_dir: str = typer.Option(None, help="Conversion cache (default $KVGATE_CACHE or ~/.cache/kvgate)")
+            cache_dir: str = typer.Option(None,
+                                          help="Conversion cache (default $KVGATE_CACHE or ~/.cache/kvgate)")
             ) -> None:
     """Convert the model into the safetensors cache once and build the C++ CPU kernels (no-ops when done)."""
     from engine.errors import ModelLoadError
@@ -39,7 +41,7 @@ def prepare(model: str = typer.Option(None, help="HF dir or .gguf; default: Smol
 
 
 @app.command("generate")
-def generate(prompt: list[str] = typer.Argument(..., help="One or more prompts"),
+def generate(prompt: Annotated[list[str], typer.Argument(help="One or more prompts")],
              model: str = typer.Option(None, help="HF dir or .gguf; default: SmolLM2-135M-Instruct"),
              max_tokens: int = typer.Option(64, min=1), temperature: float = typer.Option(0.0, min=0.0),
              dtype: str = typer.Option("float32", help="float32 or bfloat16"),
@@ -51,7 +53,8 @@ def generate(prompt: list[str] = typer.Argument(..., help="One or more prompts")
     try:
         engine = LLMEngine(EngineConfig(model=model, dtype=dtype, kv_cache_memory=256 << 20))
         prompts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
-                                                        add_generation_prompt=True) if chat else p for p in prompt]
+                                                        add_generation_prompt=True) if chat else p
+                   for p in prompt]
         t0 = time.perf_counter()
         outs = engine.generate(prompts, SamplingParams(temperature=temperature, max_tokens=max_tokens))
     except ValueError as e:

@@ -35,9 +35,10 @@ def load_items(rng: random.Random, max_requests: int = 8, max_prompt: int = 150,
     items = []
     for j in range(rng.randint(1, max_requests)):
         params = SamplingParams(temperature=rng.choice([0.0, 0.8]), max_tokens=rng.randint(1, max_tokens),
-                                seed=rng.randrange(1000), ignore_eos=True, determinism=rng.choice(_LOAD_MODES))
-        items.append(StreamItem(rng.randint(0, 6), f"load-{j}", random_prompt(rng, rng.randint(2, max_prompt)),
-                                params))
+                                seed=rng.randrange(1000), ignore_eos=True,
+                                determinism=rng.choice(_LOAD_MODES))
+        items.append(StreamItem(rng.randint(0, 6), f"load-{j}",
+                                random_prompt(rng, rng.randint(2, max_prompt)), params))
     return items
 
 

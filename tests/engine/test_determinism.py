@@ -70,7 +70,8 @@ def _forced_preemption(make_engine, prompt: list[int], params: SamplingParams) -
     """An 8-block pool: the target (6 prompt blocks) is admitted beside a 2-block neighbour and, when
     the neighbour's decode needs a third block, it is the most recent admission and gets preempted."""
     load = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
-    items = [StreamItem(0, "load", random_prompt(random.Random(4), 20), load), StreamItem(0, "target", prompt, params)]
+    items = [StreamItem(0, "load", random_prompt(random.Random(4), 20), load),
+             StreamItem(0, "target", prompt, params)]
     out = run_stream(make_engine(num_kv_blocks=8), items)["target"]
     assert out.metrics.num_preemptions > 0
     return Observation.of(out)
@@ -80,7 +81,8 @@ def test_fixed_mode_replays_a_recorded_stream_bit_for_bit(tiny_engine_factory):
     rng = random.Random(11)
     items = load_items(rng, max_requests=10)
     items = [type(it)(it.step, it.request_id, it.prompt, _with_mode(it.params, "fixed")) for it in items]
-    runs = [run_stream(tiny_engine_factory(num_kv_blocks=40, max_num_batched_tokens=48), items) for _ in range(2)]
+    runs = [run_stream(tiny_engine_factory(num_kv_blocks=40, max_num_batched_tokens=48), items)
+            for _ in range(2)]
     assert runs[0].keys() == runs[1].keys() == {it.request_id for it in items}
     for rid, out in runs[0].items():
         assert Observation.of(out) == Observation.of(runs[1][rid])

@@ -11,9 +11,10 @@ from tests.engine.oracle import check_logprobs_close
 pytestmark = pytest.mark.slow
 
 NEW_TOKENS = 64
-_TEXT = ("The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined "
-         "movable metal type, oil-based inks and a wooden press adapted from wine making. Within decades, "
-         "printing spread across Europe, lowering the cost of books and accelerating the spread of ideas. ")
+_TEXT = ("The history of the printing press begins in the fifteenth century, when Johannes Gutenberg "
+         "combined movable metal type, oil-based inks and a wooden press adapted from wine making. Within "
+         "decades, printing spread across Europe, lowering the cost of books and accelerating the spread "
+         "of ideas. ")
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +81,8 @@ def test_continuous_batch_matches_transformers(engine, example_prompts, hf_outpu
 
 
 def test_chunked_prefill_matches_transformers(example_prompts, hf_outputs):
-    engine = LLMEngine(EngineConfig(num_kv_blocks=512, max_num_batched_tokens=32, enable_prefix_caching=False))
+    engine = LLMEngine(EngineConfig(num_kv_blocks=512, max_num_batched_tokens=32,
+                                    enable_prefix_caching=False))
     exact = check_logprobs_close(_ours(engine, example_prompts), hf_outputs)
     assert sum(exact) >= 7, exact
 
