@@ -6,11 +6,12 @@ from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from gateway.storage.db import default_db_url, normalize_db_url
 from policies import Policy
+from policies.models import ALL_DETERMINISM
 
 if TYPE_CHECKING:
     from engine import EngineConfig
@@ -45,6 +46,10 @@ class Settings(BaseSettings):
         retention_master_key: Wraps the per-tenant prompt-retention data keys (32 bytes as hex or base64);
             ``None`` uses (or creates) ``retention_master.key`` in ``data_dir``.
         log_json: Emit JSON logs.
+        determinism_modes: Comma list of the determinism modes the engine serves (``fast``, ``fixed``,
+            ``batch_invariant``; ``KVGATE_DETERMINISM_MODES``). Serving ``fixed`` turns on torch's
+            deterministic algorithms for the process; ``batch_invariant`` builds and self-checks its kernels
+            at start-up. A request (or tenant default) asking for a mode not served gets a 400.
     """
 
     model_config = SettingsConfigDict(env_prefix="KVGATE_", extra="ignore")
@@ -70,6 +75,19 @@ class Settings(BaseSettings):
     durable_commits: bool = True
     inflight_lease_s: float = Field(default=30.0, ge=3.0)
     log_json: bool = True
+    determinism_modes: str = "fast,fixed,batch_invariant"
+
+    @field_validator("determinism_modes")
+    @classmethod
+    def _check_modes(cls, value: str) -> str:
+        modes = [m.strip() for m in value.split(",") if m.strip()]
+        unknown = [m for m in modes if m not in ALL_DETERMINISM]
+        if not modes or unknown:
+            allowed = ", ".join(ALL_DETERMINISM)
+            raise ValueError(f"determinism_modes must be a comma list of {allowed}; got {value!r}")
+        if "fast" not in modes:
+            raise ValueError("determinism_modes must include fast (the mode of requests that name none)")
+        return ",".join(dict.fromkeys(modes))
 
     @property
     def database_url(self) -> str:
@@ -86,6 +104,7 @@ class Settings(BaseSettings):
             max_num_seqs=self.max_num_seqs,
             max_model_len=self.max_model_len,
             scheduling_policy="priority",
+            determinism_modes=tuple(self.determinism_modes.split(",")),
         )
 
 

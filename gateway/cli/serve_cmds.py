@@ -72,6 +72,9 @@ def serve(
     max_num_seqs: Annotated[int | None, typer.Option(help="Engine batch limit.")] = None,
     dtype: Annotated[str | None, typer.Option(help="float32 | bfloat16 | float16.")] = None,
     device: Annotated[str | None, typer.Option(help="cpu | cuda.")] = None,
+    determinism_modes: Annotated[
+        str | None, typer.Option(help="Modes served, e.g. fast,batch_invariant (KVGATE_DETERMINISM_MODES).")
+    ] = None,
 ) -> None:
     """Run the HTTPS gateway with the engine in-process (migrates the database first)."""
     import uvicorn
@@ -92,6 +95,7 @@ def serve(
         max_num_seqs=max_num_seqs,
         dtype=dtype,
         device=device,
+        determinism_modes=determinism_modes,
     )
     configure_serve_logging(settings)
     settings.data_dir.mkdir(parents=True, exist_ok=True)
