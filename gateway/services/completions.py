@@ -8,7 +8,6 @@ from typing import Any
 import anyio
 import structlog
 from litestar import Response
-from litestar.background_tasks import BackgroundTask
 from litestar.response import Stream
 
 from engine.errors import InvalidRequestError
@@ -125,21 +124,18 @@ async def _first(rt: Runtime, adm: Admission, progress: _Progress) -> tuple[Asyn
     return gen, out
 
 
-async def _run_whole(rt: Runtime, adm: Admission) -> tuple[dict[str, Any], _Progress]:
-    """Run the request to the end; the caller settles (``_finish``) once the answer is on its way, as
-    the streaming path does after ``[DONE]``. On any failure it settles here, before raising."""
+async def _run_whole(rt: Runtime, adm: Admission) -> dict[str, Any]:
     progress = _Progress()
     try:
         gen, out = await _first(rt, adm, progress)
         if out is not None and not out.finished:
             async for out in gen:
                 progress.last, progress.is_done = out, out.finished
-    except BaseException:
+    finally:
         await _finish(rt, adm, progress)
-        raise
     last = progress.last
     usage = fmt.usage_dict(*progress.usage(adm))
-    body = fmt.full_response(
+    return fmt.full_response(
         adm.kind,
         adm.request_id,
         adm.created,
@@ -149,7 +145,6 @@ async def _run_whole(rt: Runtime, adm: Admission) -> tuple[dict[str, Any], _Prog
         rt.token_text,
         system_fingerprint=last.system_fingerprint,
     )
-    return body, progress
 
 
 def _chunks(
@@ -241,11 +236,7 @@ async def handle(
     """Admit, run and answer one completion request (``kind`` is ``chat`` or ``text``)."""
     adm = await _admit_audited(rt, principal, req, kind)
     if not req.stream:
-        body, progress = await _run_whole(rt, adm)
-        # Settlement and request.finished run right after the response is sent, in the same ASGI call
-        # (a graceful shutdown waits for it; _finish is shielded). The reservation already holds the
-        # request's maximum, so the refund landing a moment later never lets a tenant overspend.
-        return Response(body, headers=adm.headers, background=BackgroundTask(_finish, rt, adm, progress))
+        return Response(await _run_whole(rt, adm), headers=adm.headers)
     progress = _Progress()
     try:
         gen, first = await _first(rt, adm, progress)
