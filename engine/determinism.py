@@ -73,11 +73,13 @@ class TilePlan:
         return (tuple(weight.shape), weight.dtype, weight.device.type, bias is not None)
 
     @classmethod
-    def build(cls, linears: list[Linear], max_rows: int, seed: int = 0) -> TilePlan:
+    def build(cls, groups: list[tuple[list[Linear], int]], seed: int = 0) -> TilePlan:
+        """``groups``: matmuls with the most rows one call of them can have (the LM head only sees
+        sampled rows, far fewer than a step's tokens, so it is not planned or checked beyond them)."""
         gen = torch.Generator().manual_seed(seed)
         base = INVARIANT_TILE_ROWS
         sizes: dict[tuple, tuple[int, ...]] = {}
-        for weight, bias in linears:
+        for (weight, bias), max_rows in ((lin, rows) for linears, rows in groups for lin in linears):
             kept = []
             for tile in _LARGE_TILES:
                 if tile > max(max_rows, base):

@@ -182,11 +182,14 @@ def _enable_batch_invariance(config: EngineConfig, loaded: LoadedModel
         except KernelBuildError as e:
             return str(e), None
     with torch.inference_mode():
-        linears = loaded.model.linears()
+        per_token, head = loaded.model.linears()
+        groups = [(per_token, config.max_num_batched_tokens), (head, config.max_num_seqs)]
         if backend == "cpp":
-            plan = TilePlan.build(linears, config.max_num_batched_tokens)
-        error = verify_row_invariance(linears, config.max_num_batched_tokens, plan)
-    return error, None if error else plan
+            plan = TilePlan.build(groups)
+        for linears, rows in groups:
+            if error := verify_row_invariance(linears, rows, plan):
+                return error, None
+    return None, plan
 
 
 def prepare_cpu_kernels(cache_dir: str | None = None) -> str | None:

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.determinism import TilePlan, TritonPlan, tiled_linear
+from engine.determinism import Linear, TilePlan, TritonPlan, tiled_linear
 from engine.errors import ModelLoadError
 from engine.loader import ModelConfig
 from kernels import AttentionMetadata, paged_attention, store_kv
@@ -102,12 +102,12 @@ class LlamaForCausalLM(nn.Module):
         weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
         return tiled_linear(_norm(hidden, self.norm, self.cfg.rms_norm_eps, plan), weight, None, plan).float()
 
-    def linears(self) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-        """(weight, bias) of each matmul shape the forward pass runs (to plan and check batch-invariant
-        tiles)."""
+    def linears(self) -> tuple[list[Linear], list[Linear]]:
+        """(weight, bias) of each matmul shape the forward pass runs, to plan and check batch-invariant
+        tiles: those every token goes through, and the LM head, which runs on sampled rows only."""
         layer = self.layers[0]
         head = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        return [(m.weight, m.bias) for m in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [(head, None)]
+        return [(m.weight, m.bias) for m in (layer.qkv, layer.o, layer.gate_up, layer.down)], [(head, None)]
 
     def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Fuse and copy transformers' parameter names into ours; every expected weight must be present."""

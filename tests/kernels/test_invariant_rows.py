@@ -63,7 +63,7 @@ def test_tiled_linear_matches_plain_linear_closely_and_keeps_rows():
     g = torch.Generator().manual_seed(0)
     w, b = torch.randn(96, 80, generator=g), torch.randn(96, generator=g)
     x = torch.randn(300, 80, generator=g)
-    plan = TilePlan.build([(w, b)], max_rows=512)
+    plan = TilePlan.build([([(w, b)], 512)])
     for n in (1, 31, 32, 33, 300):
         torch.testing.assert_close(tiled_linear(x[:n], w, b, plan), torch.nn.functional.linear(x[:n], w, b))
     assert tiled_linear(x[:5], w, b, None).shape == (5, 96)
@@ -73,7 +73,7 @@ def test_tile_plan_only_keeps_sizes_that_reproduce_the_small_tile():
     g = torch.Generator().manual_seed(0)
     weights = [(torch.randn(576, 1536, generator=g), None),
                (torch.randn(192, 64, generator=g), torch.randn(192, generator=g))]
-    plan = TilePlan.build(weights, max_rows=512)
+    plan = TilePlan.build([(weights, 512)])
     for w, b in weights:
         sizes = plan.sizes_for(w, b)
         assert sizes[-1] == INVARIANT_TILE_ROWS and list(sizes) == sorted(sizes, reverse=True)
