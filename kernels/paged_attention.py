@@ -43,8 +43,9 @@ class DecodeGroup:
 @dataclass(slots=True)
 class InvariantRows:
     """Batch tokens [start, T) of batch-invariant sequences: each row attends to keys [0, row_ctx) of
-    block table ``row_seq`` through the C++ kernel, which computes every row the same way whatever the
-    batch, so prefill and decode rows (and cached and recomputed prefixes) agree bit for bit."""
+    block table ``row_seq`` through a row-wise kernel (C++ on the CPU, Triton on CUDA), which computes
+    every row the same way whatever the batch, so prefill and decode rows (and cached and recomputed
+    prefixes) agree bit for bit."""
 
     start: int
     block_tables: torch.Tensor  # [S, max_blocks] int64
@@ -72,7 +73,7 @@ class AttentionMetadata:
     decode_groups: list[DecodeGroup]
     prefills: list[PrefillSpan]
     invariant: InvariantRows | None = None
-    linear_plan: Any = None  # engine.determinism.TilePlan: tiled matmuls (batch-invariant steps)
+    linear_plan: Any = None  # engine.determinism.TilePlan | TritonPlan (batch-invariant steps)
 
 
 _workspace: dict[tuple, torch.Tensor] = {}
