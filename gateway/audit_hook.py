@@ -28,7 +28,7 @@ AuditSink = Callable[[str, Mapping[str, Any]], Awaitable[None] | None]
 TxnStep = Callable[[Connection], None]
 # Makes an event into a step that appends it inside a caller's synchronous database transaction.
 TxnSink = Callable[[str, Mapping[str, Any]], TxnStep]
-TxnRun = Callable[[TxnStep], Awaitable[None]]
+TxnRun = Callable[..., Awaitable[None]]  # run(step, durable=...)
 
 log = structlog.get_logger("kvgate.audit")
 
@@ -61,14 +61,21 @@ class AuditHook:
         self._sink = sink
         self._txn_sink = self._txn_run = None
 
+    @property
+    def is_transactional(self) -> bool:
+        """Whether events can join the caller's database transaction (``step`` returns a step)."""
+        return self._txn_sink is not None
+
     def set_txn_sink(self, txn_sink: TxnSink, run: TxnRun) -> None:
         """Record every event inside a database transaction: ``run`` executes a lone step in its own."""
         self._txn_sink, self._txn_run = txn_sink, run
 
-    async def emit(self, name: str, *, required: bool = True, **fields: Any) -> None:
+    async def emit(self, name: str, *, required: bool = True, durable: bool = True, **fields: Any) -> None:
+        """Record one event. ``durable=False``: a transactional sink does not wait for the disk (see
+        ``TxnRunner.run``); the next durable commit makes it durable too."""
         with _failing_closed(name, required):
             if self._txn_sink is not None and self._txn_run is not None:
-                await self._txn_run(self._txn_sink(name, fields))
+                await self._txn_run(self._txn_sink(name, fields), durable=durable)
                 return
             result = self._sink(name, fields)
             if inspect.isawaitable(result):
@@ -88,6 +95,52 @@ class AuditHook:
                 append(conn)
 
         return run
+
+
+class DeferredEvent:
+    """An event recorded later, inside the first transaction of the work it belongs to, or on its own
+    when that work never starts: ``auth.success`` rides in a completion's admission transaction, so the
+    request commits once before the engine runs instead of twice.
+
+    Whoever records it calls ``step()`` and, once that transaction committed, ``mark_recorded()``; the
+    request's outermost layer calls ``flush()`` at the end, which records it if nobody did.
+    """
+
+    __slots__ = ("name", "fields", "is_recorded")
+
+    def __init__(self, name: str, fields: dict[str, Any]) -> None:
+        self.name = name
+        self.fields = fields
+        self.is_recorded = False
+
+    def step(self, hook: AuditHook) -> TxnStep | None:
+        """The event as a step for a transaction (``None`` when already recorded or the sink cannot
+        join one)."""
+        return None if self.is_recorded else hook.step(self.name, **self.fields)
+
+    def mark_recorded(self) -> None:
+        self.is_recorded = True
+
+    async def flush(self, hook: AuditHook) -> None:
+        """Record it now if nobody has. Not required: by then the work is refused or done."""
+        if not self.is_recorded:
+            self.is_recorded = True
+            await hook.emit(self.name, required=False, durable=False, **self.fields)
+
+
+def chain_steps(*steps: TxnStep | None) -> TxnStep | None:
+    """One step running ``steps`` in order (``None`` ones skipped); ``None`` when there are none."""
+    present = [s for s in steps if s is not None]
+    if not present:
+        return None
+    if len(present) == 1:
+        return present[0]
+
+    def run(conn: Connection) -> None:
+        for step in present:
+            step(conn)
+
+    return run
 
 
 @contextmanager

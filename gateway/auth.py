@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import anyio
 from litestar.connection import ASGIConnection
 from litestar.middleware import AbstractAuthenticationMiddleware, AuthenticationResult
-from sqlalchemy import Connection
+from litestar.types import Receive, Scope, Send
 
 from audit.context import bind_request_context, clear_request_context
+from gateway.audit_hook import DeferredEvent
 from gateway.errors import AuthError
 from gateway.runtime import Runtime
 from gateway.services.keys import Principal, authenticate
 
 PUBLIC_PATHS = ["^/healthz$", "^/readyz$"]
+# Route ``opt`` flag: the handler records ``auth.success`` in its own first transaction (the admission's),
+# taking it from ``request.auth`` (a ``DeferredEvent``); the middleware records it if the handler did not.
+DEFER_AUTH_AUDIT = "defer_auth_audit"
 
 
 def _bearer(connection: ASGIConnection) -> str:
@@ -36,18 +41,23 @@ def _success_fields(principal: Principal, path: str) -> dict[str, str | None]:
     }
 
 
-def _authenticate(conn: Connection, runtime: Runtime, token: str, path: str) -> tuple[Principal, bool]:
-    """Look the token up and, when the audit sink can join, record ``auth.success`` in the same
-    transaction. Returns the principal and whether the event is already recorded."""
-    principal = authenticate(conn, runtime.hasher, token)
-    step = runtime.audit.step("auth.success", **_success_fields(principal, path))
-    if step is not None:
-        step(conn)
-    return principal, step is not None
-
-
 class ApiKeyAuthMiddleware(AbstractAuthenticationMiddleware):
-    """Every path except ``PUBLIC_PATHS`` needs a valid tenant key or admin token; guards decide which."""
+    """Every path except ``PUBLIC_PATHS`` needs a valid tenant key or admin token; guards decide which.
+
+    Every result is audited: ``auth.failure`` before the 401, ``auth.success`` before the handler runs,
+    or, on routes flagged ``DEFER_AUTH_AUDIT`` (completions), in the handler's admission transaction,
+    which the request cannot pass without; if it never gets there, this middleware records the event
+    when the request ends.
+    """
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            deferred = scope.get("auth")
+            if isinstance(deferred, DeferredEvent) and not deferred.is_recorded:
+                with anyio.CancelScope(shield=True):  # also when the client went away
+                    await deferred.flush(scope["app"].state.runtime.audit)
 
     async def authenticate_request(self, connection: ASGIConnection) -> AuthenticationResult:
         runtime: Runtime = connection.app.state.runtime
@@ -56,15 +66,16 @@ class ApiKeyAuthMiddleware(AbstractAuthenticationMiddleware):
         clear_request_context()
         try:
             token = _bearer(connection)
-            # Not waited to disk: logs flush in order, so the durable commit of any work this request
-            # does (the admission, an admin change) makes auth.success durable first.
-            principal, is_audited = await runtime.txn.run(
-                _authenticate, runtime, token, path, durable=False
-            )
+            principal = await runtime.txn.read(authenticate, runtime.hasher, token)
         except AuthError as e:
             await runtime.audit.emit("auth.failure", required=False, reason=e.code, path=path)
             raise
         bind_request_context(tenant_id=principal.tenant_id, key_id=principal.key_id)
-        if not is_audited:
-            await runtime.audit.emit("auth.success", **_success_fields(principal, path))
+        event = DeferredEvent("auth.success", _success_fields(principal, path))
+        handler = connection.scope.get("route_handler")
+        if runtime.audit.is_transactional and handler is not None and handler.opt.get(DEFER_AUTH_AUDIT):
+            return AuthenticationResult(user=principal, auth=event)
+        # Not waited to disk: logs flush in order, so the durable commit of any work this request
+        # does (an admin change) makes auth.success durable first.
+        await runtime.audit.emit(event.name, durable=False, **event.fields)
         return AuthenticationResult(user=principal, auth=None)

@@ -7,6 +7,7 @@ from typing import Any
 from litestar import Controller, Request, Response, get, post
 from litestar.response import Stream
 
+from gateway.auth import DEFER_AUTH_AUDIT
 from gateway.body import parse_body
 from gateway.guards import requires_tenant
 from gateway.runtime import Runtime
@@ -31,7 +32,7 @@ class OpenAIController(Controller):
     path = "/v1"
     guards = [requires_tenant]
 
-    @post("/chat/completions", status_code=200)
+    @post("/chat/completions", status_code=200, opt={DEFER_AUTH_AUDIT: True})
     async def chat_completions(
         self, request: Request, runtime: Runtime, principal: Principal
     ) -> Response[Any] | Stream:
@@ -46,9 +47,9 @@ class OpenAIController(Controller):
             QuotaExceeded: Over a rate or quota (429, with ``Retry-After``).
         """
         body = parse_body(await request.body(), ChatCompletionRequest)
-        return await completions.handle(runtime, principal, body, "chat")
+        return await completions.handle(runtime, principal, body, "chat", request.scope.get("auth"))
 
-    @post("/completions", status_code=200)
+    @post("/completions", status_code=200, opt={DEFER_AUTH_AUDIT: True})
     async def text_completions(
         self, request: Request, runtime: Runtime, principal: Principal
     ) -> Response[Any] | Stream:
@@ -63,7 +64,7 @@ class OpenAIController(Controller):
             QuotaExceeded: Over a rate or quota (429).
         """
         body = parse_body(await request.body(), CompletionRequest)
-        return await completions.handle(runtime, principal, body, "text")
+        return await completions.handle(runtime, principal, body, "text", request.scope.get("auth"))
 
     @get("/models", sync_to_thread=False)
     def list_models(self, runtime: Runtime) -> dict[str, Any]:

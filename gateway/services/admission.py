@@ -12,7 +12,7 @@ from typing import Any
 from audit.context import bind_request_context, register_sensitive
 from engine import SamplingParams
 from engine.errors import InvalidRequestError
-from gateway.audit_hook import AuditUnavailableError
+from gateway.audit_hook import AuditUnavailableError, DeferredEvent, chain_steps
 from gateway.errors import InvalidRequest, NotFound, PolicyViolation
 from gateway.runtime import Runtime
 from gateway.schemas.openai import ChatCompletionRequest, CompletionRequest
@@ -200,14 +200,27 @@ def _admitted_fields(
 
 
 async def _reserve_audited(
-    rt: Runtime, principal: Principal, policy: Policy, decision: Decision, fields: dict[str, Any]
+    rt: Runtime,
+    principal: Principal,
+    policy: Policy,
+    decision: Decision,
+    fields: dict[str, Any],
+    auth_event: DeferredEvent | None,
 ) -> tuple[Reservation, RateLimitInfo]:
-    """Reserve the tokens and record ``request.admitted``: in one transaction when the audit sink can
-    join it, else one after the other, giving the reservation back when the event cannot be recorded."""
+    """Reserve the tokens and record ``request.admitted`` (after the request's deferred ``auth.success``,
+    if any): in one transaction when the audit sink can join it, else one after the other, giving the
+    reservation back when the event cannot be recorded."""
     step = rt.audit.step("request.admitted", **fields)
+    auth_step = None if auth_event is None or step is None else auth_event.step(rt.audit)
     reservation, info = await rt.quota.reserve(
-        principal.tenant_id, policy, decision.num_reserved_tokens, time.time(), then=step
+        principal.tenant_id,
+        policy,
+        decision.num_reserved_tokens,
+        time.time(),
+        then=chain_steps(auth_step, step),
     )
+    if auth_step is not None:
+        auth_event.mark_recorded()
     if step is None:
         try:
             await rt.audit.emit("request.admitted", **fields)
@@ -218,9 +231,16 @@ async def _reserve_audited(
 
 
 async def admit(
-    rt: Runtime, principal: Principal, req: ChatCompletionRequest | CompletionRequest, kind: str
+    rt: Runtime,
+    principal: Principal,
+    req: ChatCompletionRequest | CompletionRequest,
+    kind: str,
+    auth_event: DeferredEvent | None = None,
 ) -> Admission:
     """Check the request against the tenant's policy and quotas and reserve its worst-case tokens.
+
+    ``auth_event``, the request's ``auth.success`` when the middleware deferred it, is recorded in the
+    reservation's transaction (it stays unrecorded when admission fails).
 
     Raises:
         NotFound: Unknown model.
@@ -237,7 +257,7 @@ async def admit(
     params = _sampling_params(req, decision)
     fields = _admitted_fields(request_id, principal, req.model, len(prompt_ids), decision)
     fields["prompt_hash"] = prompt_hash = rt.prompt_hash(prompt_ids)
-    reservation, info = await _reserve_audited(rt, principal, policy, decision, fields)
+    reservation, info = await _reserve_audited(rt, principal, policy, decision, fields, auth_event)
     adm = Admission(
         request_id,
         kind,

@@ -12,7 +12,7 @@ from litestar.response import Stream
 
 from engine.errors import InvalidRequestError
 from gateway import openai_format as fmt
-from gateway.audit_hook import AuditUnavailableError
+from gateway.audit_hook import AuditUnavailableError, DeferredEvent
 from gateway.errors import ClientError, InvalidRequest, ServiceUnavailable
 from gateway.runtime import Runtime
 from gateway.schemas.openai import ChatCompletionRequest, CompletionRequest
@@ -213,11 +213,17 @@ async def _stream(
 
 
 async def _admit_audited(
-    rt: Runtime, principal: Principal, req: ChatCompletionRequest | CompletionRequest, kind: str
+    rt: Runtime,
+    principal: Principal,
+    req: ChatCompletionRequest | CompletionRequest,
+    kind: str,
+    auth_event: DeferredEvent | None,
 ) -> Admission:
     try:
-        return await admit(rt, principal, req, kind)
+        return await admit(rt, principal, req, kind, auth_event)
     except ClientError as e:
+        if auth_event is not None:  # in order: the key was good, then the request was refused
+            await auth_event.flush(rt.audit)
         await rt.audit.emit(
             "request.rejected",
             required=False,
@@ -231,10 +237,15 @@ async def _admit_audited(
 
 
 async def handle(
-    rt: Runtime, principal: Principal, req: ChatCompletionRequest | CompletionRequest, kind: str
+    rt: Runtime,
+    principal: Principal,
+    req: ChatCompletionRequest | CompletionRequest,
+    kind: str,
+    auth_event: DeferredEvent | None = None,
 ) -> Response[Any] | Stream:
-    """Admit, run and answer one completion request (``kind`` is ``chat`` or ``text``)."""
-    adm = await _admit_audited(rt, principal, req, kind)
+    """Admit, run and answer one completion request (``kind`` is ``chat`` or ``text``); ``auth_event`` is
+    the request's deferred ``auth.success`` (see ``gateway.auth.DEFER_AUTH_AUDIT``)."""
+    adm = await _admit_audited(rt, principal, req, kind, auth_event)
     if not req.stream:
         return Response(await _run_whole(rt, adm), headers=adm.headers)
     progress = _Progress()

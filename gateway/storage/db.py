@@ -26,11 +26,15 @@ def is_sqlite(url: str) -> bool:
     return url.startswith("sqlite")
 
 
-def sqlite_pragmas(dbapi_conn, _record) -> None:  # type: ignore[no-untyped-def]
+BUSY_TIMEOUT_MS = 10_000
+
+
+def sqlite_pragmas(dbapi_conn, _record, busy_timeout_ms: int = BUSY_TIMEOUT_MS) -> None:  # type: ignore[no-untyped-def]
     cur = dbapi_conn.cursor()
+    # busy_timeout first: even switching to WAL needs a lock another connection may hold.
     # WAL lets readers proceed during writes; busy_timeout makes concurrent writers wait, not fail.
+    cur.execute(f"PRAGMA busy_timeout={int(busy_timeout_ms)}")
     cur.execute("PRAGMA journal_mode=WAL")
-    cur.execute("PRAGMA busy_timeout=10000")
     cur.execute("PRAGMA foreign_keys=ON")
     cur.close()
 

@@ -1,4 +1,5 @@
-"""SQLite group commit: one writer thread runs queued transaction bodies together, one commit per group."""
+"""SQLite group commit: one writer thread runs queued transaction bodies together, one commit per group;
+and a reader that runs short read-only bodies on the caller's thread."""
 
 from __future__ import annotations
 
@@ -10,12 +11,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Connection, create_engine, event
+from sqlalchemy import Connection, Engine, create_engine, event
 from sqlalchemy.engine import URL
 
-from gateway.storage.db import sqlite_pragmas
+from gateway.storage.db import BUSY_TIMEOUT_MS, sqlite_pragmas
 
 MAX_GROUP = 64
+# How long an in-loop read waits for SQLite's lock before it is handed to a worker thread instead.
+READER_BUSY_MS = 20
 
 
 @dataclass(slots=True)
@@ -28,10 +31,14 @@ class _Job:
     future: asyncio.Future
 
 
-def _connect(dbapi_conn: Any, record: Any) -> None:
-    sqlite_pragmas(dbapi_conn, record)
+def _connect(dbapi_conn: Any, record: Any, busy_timeout_ms: int = BUSY_TIMEOUT_MS) -> None:
+    sqlite_pragmas(dbapi_conn, record, busy_timeout_ms)
     # Let SQLAlchemy emit BEGIN itself (below): pysqlite's implicit BEGIN breaks SAVEPOINT.
     dbapi_conn.isolation_level = None
+
+
+def _begin_deferred(conn: Connection) -> None:
+    conn.exec_driver_sql("BEGIN")
 
 
 def _begin_immediate(conn: Connection) -> None:
@@ -131,3 +138,35 @@ def _set_synchronous(conn: Connection, is_durable: bool) -> None:
     if conn.connection.info.get("synchronous") != level:
         conn.connection.dbapi_connection.execute(f"PRAGMA synchronous={level}")
         conn.connection.info["synchronous"] = level
+
+
+class SqliteReader:
+    """Read-only transaction bodies on the calling thread, each in a ``BEGIN`` (deferred) transaction
+    that is rolled back: one snapshot per body, and never a write lock.
+
+    Two pools: an impatient one (``READER_BUSY_MS``) for the event loop, whose ``OperationalError`` the
+    caller answers by retrying on the patient one (the usual busy timeout) in a worker thread.
+    """
+
+    def __init__(self, url: URL) -> None:
+        self._impatient = _reader_engine(url, READER_BUSY_MS, pool_size=1)
+        self._patient = _reader_engine(url, BUSY_TIMEOUT_MS, pool_size=2)
+
+    def run(self, fn: Callable[..., Any], args: tuple[Any, ...], *, is_patient: bool) -> Any:
+        with (self._patient if is_patient else self._impatient).connect() as conn:
+            with conn.begin() as txn:
+                try:
+                    return fn(conn, *args)
+                finally:
+                    txn.rollback()
+
+    def close(self) -> None:
+        self._impatient.dispose()
+        self._patient.dispose()
+
+
+def _reader_engine(url: URL, busy_timeout_ms: int, pool_size: int) -> Engine:
+    engine = create_engine(url.set(drivername="sqlite"), pool_size=pool_size, max_overflow=8)
+    event.listen(engine, "connect", lambda c, r: _connect(c, r, busy_timeout_ms))
+    event.listen(engine, "begin", _begin_deferred)
+    return engine

@@ -6,9 +6,10 @@ import asyncio
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from sqlalchemy.exc import OperationalError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from gateway.storage.sqlite_writer import SqliteWriter
+from gateway.storage.sqlite_writer import SqliteReader, SqliteWriter
 
 T = TypeVar("T")
 TxnBody = Callable[..., T]  # fn(conn: Connection, *args) -> T
@@ -32,9 +33,28 @@ class TxnRunner:
         self.is_durable = is_durable
         self._db = db
         self._writer: SqliteWriter | None = None
+        self._reader: SqliteReader | None = None
         self._undoing: set[asyncio.Future] = set()
         if self.dialect == "sqlite" and (db.url.database or "") not in ("", ":memory:"):
             self._writer = SqliteWriter(db.url)
+            self._reader = SqliteReader(db.url)
+
+    async def read(self, fn: TxnBody[T], *args: Any) -> T:
+        """Run ``fn(conn, *args)`` in a read-only transaction (rolled back, so it must not write).
+
+        SQLite: on this thread, on a connection of its own. In WAL mode a read never waits for a
+        writer, and a short lookup (a key by primary key) costs less than handing it to any thread; if
+        SQLite does make it wait (a checkpoint or recovery in another process), it is retried in a
+        worker thread with the full busy timeout, so the event loop is never held for long.
+        PostgreSQL and in-memory SQLite: the async engine, as ``run`` does.
+        """
+        if self._reader is None:
+            async with self._db.connect() as conn:
+                return await conn.run_sync(fn, *args)
+        try:
+            return self._reader.run(fn, args, is_patient=False)
+        except OperationalError:
+            return await asyncio.to_thread(self._reader.run, fn, args, is_patient=True)
 
     async def run(
         self, fn: TxnBody[T], *args: Any, durable: bool = True, undo: TxnBody[Any] | None = None
@@ -80,3 +100,6 @@ class TxnRunner:
         if self._writer is not None:
             await asyncio.to_thread(self._writer.close)
             self._writer = None
+        if self._reader is not None:
+            self._reader.close()
+            self._reader = None

@@ -210,3 +210,32 @@ def restore_logging() -> object:
         logging.getLogger(name).handlers[:] = handlers
         logging.getLogger(name).setLevel(level)
     structlog.reset_defaults()
+
+
+async def tenant_events(db_url: str, data_dir: Path, tenant_id: str) -> list[tuple[str, str | None, dict]]:
+    """``(name, request_id, data)`` of a tenant's audit events in chain order; the chain must verify.
+
+    The app runs on the test client's own loop, so this reads through an engine of the caller's loop.
+    """
+    import json
+
+    from sqlalchemy import select
+
+    from audit.integrity import verify_store
+    from audit.keys import load_or_create_keys
+    from audit.store import AuditStore
+    from audit.tables import audit_events
+    from gateway.storage.db import make_db_engine
+
+    store = AuditStore(make_db_engine(db_url, null_pool=True), load_or_create_keys(data_dir))
+    try:
+        async with store.engine.connect() as conn:
+            rows = (await conn.execute(
+                select(audit_events.c.name, audit_events.c.request_id, audit_events.c.data)
+                .where(audit_events.c.tenant_id == tenant_id)
+                .order_by(audit_events.c.seq)
+            )).all()
+        assert (await verify_store(store)).ok
+    finally:
+        await store.engine.dispose()
+    return [(name, request_id, json.loads(data)) for name, request_id, data in rows]

@@ -6,16 +6,12 @@ import time
 import pytest
 from sqlalchemy import delete, insert, select
 
-from audit.integrity import verify_store
-from audit.keys import load_or_create_keys
-from audit.store import AuditStore
-from audit.tables import audit_events
 from gateway.storage.db import make_db_engine
 from gateway.storage.models import AdminToken
 from gateway.storage.txn import TxnRunner
 from policies import Policy
 
-from .conftest import open_gateway
+from .conftest import open_gateway, tenant_events
 
 _TOKENS = AdminToken.__table__
 
@@ -185,20 +181,9 @@ async def test_one_request_chains_its_events_in_order(tmp_path, db_url, llm):
     async for gw in open_gateway(tmp_path, db_url, llm):
         tid, key = await gw.make_tenant()
         assert (await _chat(gw, key)).status_code == 200
-        # The app runs on the test client's own loop: read through an engine of this test's loop.
-        store = AuditStore(make_db_engine(db_url, null_pool=True), load_or_create_keys(tmp_path))
-        try:
-            async with store.engine.connect() as conn:
-                rows = (await conn.execute(
-                    select(audit_events.c.name, audit_events.c.request_id)
-                    .where(audit_events.c.tenant_id == tid)
-                    .order_by(audit_events.c.seq)
-                )).all()
-            assert (await verify_store(store)).ok
-        finally:
-            await store.engine.dispose()
-        assert [name for name, _ in rows] == ["auth.success", "request.admitted", "request.finished"]
-        assert rows[1].request_id is not None and rows[1].request_id == rows[2].request_id
+        rows = await tenant_events(db_url, tmp_path, tid)
+        assert [name for name, _, _ in rows] == ["auth.success", "request.admitted", "request.finished"]
+        assert rows[1][1] is not None and rows[1][1] == rows[2][1]
 
 
 async def test_policy_change_applies_on_the_next_request(tmp_path, db_url, llm):

@@ -1,0 +1,86 @@
+"""``TxnRunner.read``: read-only bodies, on the event loop's thread for SQLite, never blocking it for long."""
+
+import asyncio
+import sqlite3
+import threading
+import time
+
+from sqlalchemy import insert, select
+
+from gateway.storage.db import make_db_engine
+from gateway.storage.models import AdminToken
+from gateway.storage.sqlite_writer import READER_BUSY_MS
+from gateway.storage.txn import TxnRunner
+
+_TOKENS = AdminToken.__table__
+
+
+def _add_token(conn, token_id):
+    from gateway.clock import utcnow
+
+    conn.execute(insert(_TOKENS).values(id=token_id, name="", secret_hash="0" * 64, created_at=utcnow()))
+
+
+def _ids(conn):
+    return sorted(conn.execute(select(_TOKENS.c.id)).scalars())
+
+
+def _write_and_return(conn):
+    _add_token(conn, "from-a-read")
+    return _ids(conn)
+
+
+async def test_read_sees_commits_and_never_keeps_a_write(db_url):
+    db = make_db_engine(db_url, null_pool=True)
+    runner = TxnRunner(db)
+    try:
+        await runner.run(_add_token, "committed")
+        assert await runner.read(_ids) == ["committed"]
+        # A body that writes anyway sees its own write, and the read transaction then rolls it back.
+        assert await runner.read(_write_and_return) == ["committed", "from-a-read"]
+        assert await runner.read(_ids) == ["committed"]
+        await runner.run(_add_token, "next")  # the writer was never blocked by the reads
+        assert await runner.read(_ids) == ["committed", "next"]
+    finally:
+        await runner.close()
+        await db.dispose()
+
+
+async def test_read_waits_for_a_locked_database_off_the_event_loop(sqlite_url):
+    """Another process holding SQLite's exclusive lock makes readers wait: the loop's own read gives up
+    after READER_BUSY_MS and the read goes on in a worker thread, so other tasks keep running."""
+    path = sqlite_url.split(":///", 1)[1]
+    locker = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    locker.execute("PRAGMA locking_mode=EXCLUSIVE")
+    locker.execute("BEGIN EXCLUSIVE")  # before this test opens any connection of its own
+    locker.execute("INSERT INTO admin_tokens (id, name, secret_hash, created_at, scopes) "
+                   "VALUES ('locked', '', '', '2026-01-01 00:00:00', '')")
+    db = make_db_engine(sqlite_url, null_pool=True)
+    runner = TxnRunner(db)
+    ticks = 0
+
+    async def ticker():
+        nonlocal ticks
+        while True:
+            await asyncio.sleep(0.01)
+            ticks += 1
+
+    def release_later():
+        time.sleep(0.4)
+        locker.execute("COMMIT")
+        locker.execute("PRAGMA locking_mode=NORMAL")
+        locker.execute("SELECT 1 FROM admin_tokens").fetchall()  # drops the exclusive lock
+        locker.close()
+
+    tick_task = asyncio.create_task(ticker())
+    threading.Thread(target=release_later).start()
+    try:
+        t0 = time.perf_counter()
+        assert await runner.read(_ids) == ["locked"]
+        assert time.perf_counter() - t0 >= 0.3  # it did wait for the lock ...
+        assert ticks >= 10  # ... and the event loop kept running meanwhile
+    finally:
+        tick_task.cancel()
+        await runner.close()
+        await db.dispose()
+    assert READER_BUSY_MS < 100
