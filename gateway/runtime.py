@@ -47,6 +47,7 @@ class Runtime:
     token_text: TokenText = field(init=False)
     retention: RetentionStore = field(init=False)
     _lease_task: asyncio.Task | None = field(init=False, default=None)
+    _finishing: set[asyncio.Future] = field(init=False, default_factory=set)
 
     def __post_init__(self) -> None:
         self.db = make_db_engine(self.settings.database_url, null_pool=self.settings.db_null_pool)
@@ -95,7 +96,15 @@ class Runtime:
             except Exception as e:  # noqa: BLE001  (the database may be away for a moment: retry)
                 log.warning("lease.renew_failed", error_type=type(e).__name__)
 
+    def keep_finishing(self, work: asyncio.Future) -> None:
+        """Hold ``work`` (a request's settlement, started before its response) until it is done; ``stop``
+        waits for all of them before it closes the database."""
+        self._finishing.add(work)
+        work.add_done_callback(self._finishing.discard)
+
     async def stop(self) -> None:
+        if self._finishing:
+            await asyncio.wait(list(self._finishing))
         if self._lease_task is not None:
             self._lease_task.cancel()
             self._lease_task = None

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio
 import structlog
 from litestar import Response
+from litestar.background_tasks import BackgroundTask
 from litestar.response import Stream
 
 from engine.errors import InvalidRequestError
@@ -124,18 +126,36 @@ async def _first(rt: Runtime, adm: Admission, progress: _Progress) -> tuple[Asyn
     return gen, out
 
 
-async def _run_whole(rt: Runtime, adm: Admission) -> dict[str, Any]:
+async def _finish_soon(rt: Runtime, adm: Admission, progress: _Progress) -> BackgroundTask | None:
+    """Finish a whole response's request: now, or, where this process's transactions run in the order
+    they start (SQLite's writer), as a task started here, whose settlement transaction is queued before
+    the response is even sent. Any later request of this process is then admitted after the settlement
+    (a one-at-a-time tenant's next request finds its slot free); the client just does not wait for the
+    commit. Returns the response's background task, which waits for the settlement, or ``None``."""
+    if not rt.txn.is_ordered or adm.retain_days:
+        await _finish(rt, adm, progress)
+        return None
+    # The task's first step runs before any I/O the response can provoke, and queues the settlement
+    # without awaiting anything before it (``_finish`` reaches ``TxnRunner.run`` synchronously).
+    finishing = asyncio.ensure_future(_finish(rt, adm, progress))
+    rt.keep_finishing(finishing)
+    return BackgroundTask(asyncio.shield, finishing)
+
+
+async def _run_whole(rt: Runtime, adm: Admission) -> Response[Any]:
     progress = _Progress()
     try:
         gen, out = await _first(rt, adm, progress)
         if out is not None and not out.finished:
             async for out in gen:
                 progress.last, progress.is_done = out, out.finished
-    finally:
+    except BaseException:
         await _finish(rt, adm, progress)
+        raise
+    background = await _finish_soon(rt, adm, progress)
     last = progress.last
     usage = fmt.usage_dict(*progress.usage(adm))
-    return fmt.full_response(
+    body = fmt.full_response(
         adm.kind,
         adm.request_id,
         adm.created,
@@ -145,6 +165,7 @@ async def _run_whole(rt: Runtime, adm: Admission) -> dict[str, Any]:
         rt.token_text,
         system_fingerprint=last.system_fingerprint,
     )
+    return Response(body, headers=adm.headers, background=background)
 
 
 def _chunks(
@@ -247,7 +268,7 @@ async def handle(
     the request's deferred ``auth.success`` (see ``gateway.auth.DEFER_AUTH_AUDIT``)."""
     adm = await _admit_audited(rt, principal, req, kind, auth_event)
     if not req.stream:
-        return Response(await _run_whole(rt, adm), headers=adm.headers)
+        return await _run_whole(rt, adm)
     progress = _Progress()
     try:
         gen, first = await _first(rt, adm, progress)

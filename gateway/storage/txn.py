@@ -39,6 +39,12 @@ class TxnRunner:
             self._writer = SqliteWriter(db.url)
             self._reader = SqliteReader(db.url)
 
+    @property
+    def is_ordered(self) -> bool:
+        """Whether this process's transactions run one after another in the order they were started
+        (SQLite's writer thread): one started before another has committed before the other begins."""
+        return self._writer is not None
+
     async def read(self, fn: TxnBody[T], *args: Any) -> T:
         """Run ``fn(conn, *args)`` in a read-only transaction (rolled back, so it must not write).
 
