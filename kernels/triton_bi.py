@@ -22,15 +22,17 @@ import triton
 import triton.language as tl
 
 # One configuration for every call: changing it changes the bits (and the system fingerprint). The
-# interpreter pays per program, so there the tiles are wider (same code, other tile shape).
+# interpreter pays per program, so there the tiles are wider (same code, other tile shape), and its
+# products are a broadcast multiply and sum: it runs ``tl.dot`` as numpy's matmul, whose BLAS may round a
+# row differently depending on its position in the tile (OpenBLAS 0.3.31 does), which a GPU's dot does not.
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-BLOCK_M, BLOCK_N, BLOCK_K, NUM_WARPS = (64, 512, 64, 4) if _INTERPRETED else (64, 64, 32, 4)
+BLOCK_M, BLOCK_N, BLOCK_K, NUM_WARPS = (64, 512, 32, 4) if _INTERPRETED else (64, 64, 32, 4)
 CONFIG = f"triton-mm{BLOCK_M}x{BLOCK_N}x{BLOCK_K}w{NUM_WARPS}" + ("-interpreted" if _INTERPRETED else "")
 
 
 @triton.jit
 def _matmul_kernel(x_ptr, w_ptr, b_ptr, o_ptr, M, N, K, sxm, sxk, swn, swk, som, son,
-                   HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
+                   HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, INTERPRETED: tl.constexpr,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     rm = tl.program_id(0) * BM + tl.arange(0, BM)
     rn = tl.program_id(1) * BN + tl.arange(0, BN)
@@ -42,7 +44,9 @@ def _matmul_kernel(x_ptr, w_ptr, b_ptr, o_ptr, M, N, K, sxm, sxk, swn, swk, som,
                     mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
         b = tl.load(w_ptr + rn[None, :] * swn + kk[:, None] * swk,
                     mask=(rn[None, :] < N) & (kk[:, None] < K), other=0.0)
-        if IEEE:
+        if INTERPRETED:  # every row summed in the same order, wherever it sits in the tile
+            acc += tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
+        elif IEEE:
             acc += tl.dot(a, b, input_precision="ieee")
         else:
             acc += tl.dot(a, b)
@@ -64,7 +68,7 @@ def bi_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
     _matmul_kernel[grid](x, weight, bias if bias is not None else weight, out, m, n, k,
                          x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
                          out.stride(0), out.stride(1),
-                         HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32,
+                         HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32, INTERPRETED=_INTERPRETED,
                          BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K, num_warps=NUM_WARPS)
     return out
 
