@@ -139,7 +139,12 @@ async def _finish_soon(rt: Runtime, adm: Admission, progress: _Progress) -> Back
     # without awaiting anything before it (``_finish`` reaches ``TxnRunner.run`` synchronously).
     finishing = asyncio.ensure_future(_finish(rt, adm, progress))
     rt.keep_finishing(finishing)
-    return BackgroundTask(asyncio.shield, finishing)
+    return BackgroundTask(_wait_for, finishing)
+
+
+async def _wait_for(work: asyncio.Future) -> None:
+    # A coroutine function: Litestar runs any other background callable in a worker thread.
+    await asyncio.shield(work)
 
 
 async def _run_whole(rt: Runtime, adm: Admission) -> Response[Any]:

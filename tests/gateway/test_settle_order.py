@@ -6,7 +6,7 @@ import json
 
 from policies import Policy
 
-from .conftest import open_gateway
+from .conftest import open_gateway, tenant_events
 
 
 def _scope(path: str, key: str) -> dict:
@@ -64,3 +64,19 @@ async def test_back_to_back_requests_of_a_one_slot_tenant(tmp_path, db_url, llm)
         (row,) = r.json()
         assert row["num_requests"] == 8
         assert row["total_tokens"] == sum(b["usage"]["total_tokens"] for _, b, _ in results)
+
+
+async def test_the_app_returns_only_once_the_settlement_is_done(tmp_path, sqlite_url, llm):
+    """The response's background task waits for the settlement: an in-process caller (and `Runtime.stop`)
+    finds the usage settled and request.finished recorded when the app returns."""
+    async for gw in open_gateway(tmp_path, sqlite_url, llm):
+        tid, key = await gw.make_tenant()
+        body = {"model": gw.runtime.engine.model_name, "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 2}
+        headers = {"Authorization": f"Bearer {key}"}
+        for _ in range(5):
+            r = await gw.client.post("/v1/chat/completions", json=body, headers=headers)
+            assert r.status_code == 200
+            assert not gw.runtime._finishing
+        names = [name for name, _, _ in await tenant_events(sqlite_url, tmp_path, tid)]
+        assert names.count("request.finished") == 5
