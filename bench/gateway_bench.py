@@ -35,6 +35,7 @@ import psutil
 from bench.gateway_peers import Call, Peer, Work, chat_call, engine_call, fsync_call, get_call, make_work
 from bench.gateway_servers import GatewayServer, ServerVariant, create_tenant_key
 from bench.workload import percentile
+from gateway.cli.serve_cmds import freeze_startup_heap, unfreeze_heap
 
 PEERS = ("engine", "https-chat", "https-chat-nosync", "https-chat-noaudit", "http-chat", "https-models",
          "https-healthz", "disk-fsync")
@@ -158,12 +159,16 @@ async def _run_levels(cfg: GatewayBenchConfig, engine: Any, tenant_id: str, api_
                for name, s in servers.items()}
     try:
         peers = _peers(cfg.peers, engine, f"t:{tenant_id}".encode(), clients, servers, data_dir)
+        # This process holds an engine too: without this, its own full collections (~250 ms over the
+        # model's and libraries' objects) land in whichever peer is being timed, as `kvgate serve` does.
+        freeze_startup_heap()
         rows = []
         for c in cfg.concurrency:
             rows += await measure(peers, work, c, cfg.num_rounds, cfg.num_warmup)
             print(format_table(rows[-len(peers):]), flush=True)
         return work, rows
     finally:
+        unfreeze_heap()
         for client in clients.values():
             await client.aclose()
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 from pathlib import Path
 from typing import IO, Annotated, Any
@@ -22,6 +23,32 @@ def configure_serve_logging(settings: Settings, stream: IO[bytes] | None = None)
         return
     configure_logging(json=settings.log_json, level="INFO", stream=stream)
     logging.getLogger("alembic").setLevel(logging.WARNING)
+
+
+def freeze_startup_heap(_app: Any = None) -> None:
+    """Take everything alive once the server has started (model, tokenizer, imported modules: millions
+    of objects that live as long as the process) out of the cyclic garbage collector's reach. A full
+    collection otherwise scans them all: measured, one ~250 ms stall of every request in flight every
+    few thousand requests. Later garbage is still collected; only the frozen start-up objects are not."""
+    gc.collect()
+    gc.freeze()
+
+
+def unfreeze_heap(_app: Any = None) -> None:
+    """Hand the frozen objects back at shutdown, so that interpreter exit collects them as usual (native
+    extensions report the ones it cannot reach as leaks)."""
+    gc.unfreeze()
+
+
+def serving_app(settings: Settings) -> Any:
+    """The app ``kvgate serve`` runs: ``create_app`` plus process-wide start-up steps (which an app
+    built in a test, one of many in a process, must not take)."""
+    from gateway.app import create_app
+
+    application = create_app(settings)
+    application.on_startup.append(freeze_startup_heap)  # runs after the lifespan started the engine
+    application.on_shutdown.append(unfreeze_heap)
+    return application
 
 
 def uvicorn_options(settings: Settings) -> dict[str, Any]:
@@ -79,7 +106,6 @@ def serve(
     """Run the HTTPS gateway with the engine in-process (migrates the database first)."""
     import uvicorn
 
-    from gateway.app import create_app
     from gateway.storage import migrate
 
     settings = build_settings(
@@ -103,4 +129,4 @@ def serve(
     tls = _tls_kwargs(settings)
     scheme = "http" if settings.insecure_http else "https"
     typer.echo(f"kvgate serving on {scheme}://{settings.host}:{settings.port}", err=True)
-    uvicorn.run(create_app(settings), **uvicorn_options(settings), **tls)
+    uvicorn.run(serving_app(settings), **uvicorn_options(settings), **tls)
