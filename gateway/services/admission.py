@@ -258,7 +258,7 @@ async def admit(
     fields = _admitted_fields(request_id, principal, req.model, len(prompt_ids), decision)
     fields["prompt_hash"] = prompt_hash = rt.prompt_hash(prompt_ids)
     reservation, info = await _reserve_audited(rt, principal, policy, decision, fields, auth_event)
-    adm = Admission(
+    return Admission(
         request_id,
         kind,
         principal,
@@ -275,4 +275,3 @@ async def admit(
         prompt_hash=prompt_hash,
         system_fingerprint=rt.engine.determinism.fingerprints[decision.determinism],
     )
-    return adm

@@ -132,7 +132,7 @@ async def _finish_soon(rt: Runtime, adm: Admission, progress: _Progress) -> Back
     the response is even sent. Any later request of this process is then admitted after the settlement
     (a one-at-a-time tenant's next request finds its slot free); the client just does not wait for the
     commit. Returns the response's background task, which waits for the settlement, or ``None``."""
-    if not rt.txn.is_ordered or adm.retain_days:
+    if not rt.txn.is_ordered or adm.retain_days:  # retention awaits its own write before the settlement
         await _finish(rt, adm, progress)
         return None
     # The task's first step runs before any I/O the response can provoke, and queues the settlement

@@ -95,7 +95,6 @@ async def get_policy(session: AsyncSession, tenant_id: str) -> PolicyOut:
 
 
 @lru_cache(maxsize=4096)
-@lru_cache(maxsize=4096)
 def parse_policy(body: str) -> Policy:
     """Parse stored policy JSON; cached, as policies are immutable and each version's body never changes."""
     return Policy.model_validate_json(body)
