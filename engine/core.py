@@ -55,7 +55,6 @@ class LLMEngine:
         self.stats_tracker = StatsTracker()
         self.determinism = setup_determinism(config, self.loaded)
         self.runner.tile_plan = self.determinism.tile_plan
-        self.num_steps = 0
 
     # ---- requests -------------------------------------------------------------------------------
     def _tokenize(self, prompt: str | Seq[int]) -> list[int]:
@@ -143,6 +142,11 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
+    @property
+    def num_steps(self) -> int:
+        """Forward passes run so far (a request's ``arrival_step`` counts them)."""
+        return self.stats_tracker.num_steps
+
     # ---- stepping -------------------------------------------------------------------------------
     def _zero_freed_blocks(self) -> None:
         """With ``zero_freed_blocks``, wipe the K/V of blocks freed without a hash (or evicted) since the
@@ -156,7 +160,6 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
-        self.num_steps += 1
         self._zero_freed_blocks()  # freed while scheduling (preemption, eviction): before anyone writes
         t0 = time.perf_counter()
         seqs, tokens, logprobs = self.runner.execute(sched.scheduled)

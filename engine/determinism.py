@@ -156,27 +156,13 @@ def system_fingerprint(weights_digest: str, tokenizer_digest: str, mode: str, ke
     return "fp_" + hashlib.blake2b("|".join(parts).encode(), digest_size=8).hexdigest()
 
 
-class TokenHashChain:
+def token_hash_chain(fingerprint: str, token_ids: list[int]) -> str:
     """h0 = H(fingerprint); h(i+1) = H(h(i) || token i): a receipt that proves a replay produced the
     same tokens without storing them."""
-
-    __slots__ = ("digest",)
-
-    def __init__(self, fingerprint: str) -> None:
-        self.digest = hashlib.blake2b(fingerprint.encode(), digest_size=16).digest()
-
-    def add(self, token_id: int) -> None:
-        self.digest = hashlib.blake2b(self.digest + token_id.to_bytes(8, "little"), digest_size=16).digest()
-
-    @classmethod
-    def of(cls, fingerprint: str, token_ids: list[int]) -> str:
-        chain = cls(fingerprint)
-        for t in token_ids:
-            chain.add(t)
-        return chain.digest.hex()
-
-    def hexdigest(self) -> str:
-        return self.digest.hex()
+    digest = hashlib.blake2b(fingerprint.encode(), digest_size=16).digest()
+    for t in token_ids:
+        digest = hashlib.blake2b(digest + t.to_bytes(8, "little"), digest_size=16).digest()
+    return digest.hex()
 
 
 def weights_digest(model: torch.nn.Module) -> str:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.determinism import FAST, TokenHashChain
+from engine.determinism import FAST, token_hash_chain
 from engine.detokenizer import IncrementalDetokenizer
 from engine.request import (
     CompletionOutput,
@@ -18,13 +18,14 @@ from engine.request import (
 class _SampleText:
     """Text state of one sample: incremental decoder plus what was last handed out."""
 
-    __slots__ = ("detok", "text", "sent_tokens", "sent_text")
+    __slots__ = ("detok", "text", "sent_tokens", "sent_text", "token_hash")
 
     def __init__(self, detok: IncrementalDetokenizer) -> None:
         self.detok = detok
         self.text = ""
         self.sent_tokens = 0
         self.sent_text = 0
+        self.token_hash: str | None = None  # the finished sample's receipt, hashed once
 
 
 class RequestState:
@@ -95,12 +96,17 @@ class RequestState:
                 finish_reason=finish,
                 logprobs=list(seq.logprobs) if self.params.logprobs is not None else None,
                 stop_reason=seq.stop_reason,
-                token_hash=TokenHashChain.of(self.fingerprint, ids) if seq.is_finished and seq.mode != FAST
-                else None))
+                token_hash=self._token_hash(seq, sample)))
             sample.sent_tokens, sample.sent_text = len(ids), len(sample.text)
         return RequestOutput(self.request_id, self.prompt_ids, outs, self.finished,
                              self.seqs[0].num_cached_tokens, self._metrics(), self.seqs[0].mode,
                              self.fingerprint)
+
+    def _token_hash(self, seq: Sequence, sample: _SampleText) -> str | None:
+        """The receipt of a finished fixed/batch_invariant sample (its siblings may run on for steps)."""
+        if sample.token_hash is None and seq.is_finished and seq.mode != FAST:
+            sample.token_hash = token_hash_chain(self.fingerprint, seq.output_token_ids)
+        return sample.token_hash
 
     def _metrics(self) -> RequestMetrics:
         seq = self.seqs[0]

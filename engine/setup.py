@@ -177,10 +177,8 @@ def _enable_batch_invariance(config: EngineConfig, loaded: LoadedModel
                     "(use invariant_backend='triton')"), None
         if loaded.kv_caches[0][0].dtype != torch.float32:
             return "batch_invariant on the CPU needs a float32 KV cache", None
-        try:
-            load_cpu_kernels(Path(config.cache_dir) if config.cache_dir else default_cache_dir())
-        except KernelBuildError as e:
-            return str(e), None
+        if error := prepare_cpu_kernels(config.cache_dir):
+            return error, None
     with torch.inference_mode():
         per_token, head = loaded.model.linears()
         groups = [(per_token, config.max_num_batched_tokens), (head, config.max_num_seqs)]

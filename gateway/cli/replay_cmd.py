@@ -181,7 +181,7 @@ def _run(settings: Any, receipt: Receipt, prompt_ids: list[int]) -> Any:
 
 def _verdict(receipt: Receipt, out: Any, fingerprint: str) -> int:
     """Print the comparison; return the exit code."""
-    from engine.determinism import TokenHashChain
+    from engine.determinism import token_hash_chain
 
     same_system = fingerprint == receipt.system_fingerprint
     if same_system:
@@ -194,7 +194,7 @@ def _verdict(receipt: Receipt, out: Any, fingerprint: str) -> int:
     # The chain is keyed by the recorded fingerprint, so equal tokens match even on another system.
     matches = []
     for o, recorded in zip(out.outputs, receipt.token_hashes, strict=False):
-        ok = TokenHashChain.of(receipt.system_fingerprint, o.token_ids) == recorded
+        ok = token_hash_chain(receipt.system_fingerprint, o.token_ids) == recorded
         matches.append(ok)
         typer.echo(
             f"choice {o.index}: {len(o.token_ids)} tokens, token hash {'matches' if ok else 'DIFFERS'}"
