@@ -76,7 +76,9 @@ async def test_runner_undoes_a_commit_its_cancelled_caller_never_saw(sqlite_url)
             call.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await call
-        await asyncio.sleep(0.8)  # both bodies finish in the writer thread; then the undo runs
+        deadline = time.monotonic() + 10  # both bodies finish in the writer thread; then the undo runs
+        while await _token_ids(db) != {"kept"} and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
         assert await _token_ids(db) == {"kept"}
     finally:
         await runner.close()

@@ -83,7 +83,7 @@ async def test_other_weights_are_reported(gw: Gateway, tiny_model_dir: Path, tmp
 
     other = make_tiny_model_dir(tmp_path / "other", seed=1)
     res = await _replay(gw, tiny_model_dir, request_id, "--prompt-file", str(prompt_file), model=other)
-    assert res.exit_code in (1, 4), res.output
+    assert res.exit_code == 1, res.output  # other weights: other tokens
     assert "system fingerprint: DIFFERS" in res.output and "other weights" in res.output
 
 

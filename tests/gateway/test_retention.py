@@ -45,7 +45,8 @@ async def test_policy_switch_is_validated(gw, value):
     r = await gw.client.put(f"/admin/v1/tenants/{tid}/policy", headers=gw.admin(),
                             json={"policy": {"prompt_retention_days": value}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "policy.prompt_retention_days"
-    assert Policy().prompt_retention_days == 0
+    stored = (await gw.client.get(f"/admin/v1/tenants/{tid}/policy", headers=gw.admin())).json()
+    assert stored["version"] == 1 and stored["policy"]["prompt_retention_days"] == 0  # nothing changed
 
 
 async def test_off_by_default_stores_nothing(gw):
