@@ -102,7 +102,7 @@ def is_card_number(value: int) -> bool:
 
 
 _DIGEST_RE = re.compile(r"(?:fp_)?[0-9a-f]{16,128}")
-_DIGEST_SUFFIXES = ("_hash", "_hashes", "_fingerprint")
+_DIGEST_SUFFIXES = ("_hash", "_hashes", "_sha256", "_fingerprint")
 
 
 def is_digest_field(key: str, value: object) -> bool:

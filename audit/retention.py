@@ -172,14 +172,11 @@ class RetentionStore:
         return RetainedRecord(row.id, row.tenant_id, row.request_id, row.created_at, row.expires_at,
                               body["prompt"], body["completion"])
 
-    async def list_records(self, tenant_id: str, *, limit: int = 100, before: datetime | None = None,
-                           ) -> list[RecordInfo]:
-        """Metadata of the tenant's newest records (created before ``before``), newest first."""
+    async def list_records(self, tenant_id: str, *, limit: int = 100) -> list[RecordInfo]:
+        """Metadata of the tenant's newest records, newest first."""
         q = select(retained_prompts.c.id, retained_prompts.c.tenant_id, retained_prompts.c.request_id,
                    retained_prompts.c.created_at, retained_prompts.c.expires_at).where(
             retained_prompts.c.tenant_id == tenant_id)
-        if before is not None:
-            q = q.where(retained_prompts.c.created_at < before)
         async with self.engine.connect() as conn:
             rows = (await conn.execute(q.order_by(retained_prompts.c.created_at.desc()).limit(limit))).all()
         return [RecordInfo(*row) for row in rows]

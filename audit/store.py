@@ -269,8 +269,7 @@ def _lock_head(conn: Connection) -> Head:
 
 def _scrub_data(value: Any, sensitive: tuple[str, ...], key: str = "") -> Any:
     if isinstance(value, str):
-        return value if key.endswith(("_hash", "_sha256")) or is_digest_field(key, value) else scrub_text(
-            value, sensitive)
+        return value if is_digest_field(key, value) else scrub_text(value, sensitive)
     if isinstance(value, dict):
         return {k: _scrub_data(v, sensitive, k) for k, v in value.items()}
     if isinstance(value, list):

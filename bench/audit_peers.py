@@ -122,6 +122,7 @@ async def insert_plain(work: Path, n: int) -> dict[str, Any]:
     try:
         async with engine.begin() as conn:
             await conn.run_sync(plain.metadata.create_all)
+        stmt = insert(plain)  # built once, as the store's own statements are
         t0 = time.perf_counter()
         for i in range(n):
             event = make_event(REQUEST_FINISHED, **_fields(i))
@@ -130,7 +131,7 @@ async def insert_plain(work: Path, n: int) -> dict[str, Any]:
                    "actor": None, "data": orjson.dumps(event.data, option=orjson.OPT_SORT_KEYS).decode(),
                    "link": "", "chain_hash": ""}
             async with engine.begin() as conn:
-                await conn.execute(insert(plain).values(**row))
+                await conn.execute(stmt, row)
         seconds = time.perf_counter() - t0
     finally:
         await engine.dispose()

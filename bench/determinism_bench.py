@@ -1,8 +1,7 @@
 """`kvgate bench determinism`: the standard engine workload in each determinism mode, one run.
 
 Each mode runs in its own subprocess over the same requests and engine settings (float32, greedy), so
-the only difference is the mode every request asks for. ``mixed`` runs half the requests fast and half
-batch_invariant in one engine, to show what invariant neighbours cost fast requests.
+the only difference is the mode every request asks for.
 """
 
 from __future__ import annotations
@@ -13,8 +12,6 @@ from pathlib import Path
 
 from bench.engine_bench import run_in_subprocess, run_kvgate
 from bench.workload import standard_workload
-
-MODES = ("fast", "fixed", "batch_invariant")
 
 
 def run_mode(mode: str, num_requests: int, seed: int) -> dict:

@@ -63,11 +63,10 @@ class Runtime:
 
     async def start(self, *, has_custom_sink: bool) -> None:
         if self.settings.audit_enabled and not has_custom_sink:
-            from audit.sink import store_sink, store_txn_sink
+            from audit.sink import store_txn_sink
             from audit.store import AuditStore
 
             self.audit_store = await AuditStore.open(self.settings.database_url, self.settings.data_dir)
-            self.audit.set_sink(store_sink(self.audit_store))
             # Same database: events commit inside the transactions that do the work they record.
             self.audit.set_txn_sink(store_txn_sink(self.audit_store), self.txn.run)
         await self.quota.heartbeat(time.time())

@@ -5,7 +5,7 @@ A crashed gateway used to leave ``tenants.num_in_flight`` raised forever. Slots 
 ``gateway_instances.heartbeat_at`` is recent, so a dead instance's slots lapse on their own.
 
 Revision ID: 0004_inflight_lease
-Revises: 0002_audit
+Revises: 0003_admin_token_scopes
 Create Date: 2026-11-22
 """
 
