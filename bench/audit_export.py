@@ -13,10 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import secrets
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -29,6 +26,7 @@ from audit import chain
 from audit.store import AuditStore, Head, now_ts
 from audit.tables import audit_checkpoints, audit_events, audit_head
 from bench.audit_peers import db_url
+from bench.isolated import PeerFailed, run_isolated
 
 
 def _row(seq: int, head: Head, chain_key: bytes) -> tuple[dict[str, Any], Head]:
@@ -67,11 +65,10 @@ async def seed(store: AuditStore, num_events: int, *, batch: int = 2000) -> None
 
 
 def _peer(name: str, work: Path, *args: object) -> dict[str, Any]:
-    proc = subprocess.run([sys.executable, "-m", "bench.audit_peers", name, str(work), *map(str, args)],
-                          capture_output=True, text=True, check=False)
-    if proc.returncode != 0:
-        raise RuntimeError(f"peer {name} failed:\n{proc.stderr[-4000:]}")
-    return json.loads(proc.stdout.splitlines()[-1])
+    try:
+        return run_isolated("bench.audit_peers", name, work, *args)
+    except PeerFailed as e:
+        raise RuntimeError(f"peer {name} failed:\n{e.stderr[-4000:]}") from None
 
 
 async def _seed_fresh(work: Path, num_events: int) -> float:

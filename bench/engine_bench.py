@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
+from bench.isolated import PeerFailed, run_isolated
 from bench.workload import BenchRequest, percentile, standard_workload
 
 PEERS = ("kvgate", "kvgate-bf16", "hf-serial", "hf-static", "llamacpp")
@@ -175,12 +175,11 @@ def format_table(results: list[dict]) -> str:
 
 
 def run_in_subprocess(module: str, peer: str, *args: object) -> dict:
-    """Run ``python -m module peer args...``; its last stdout line is the JSON result."""
-    proc = subprocess.run([sys.executable, "-m", module, peer, *map(str, args)],
-                          capture_output=True, text=True)
-    if proc.returncode != 0:
-        return {"peer": peer, "skipped": f"failed: {proc.stderr.strip().splitlines()[-1:]}"}
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    """Run ``python -m module peer args...``; a failed peer is a row marked skipped."""
+    try:
+        return run_isolated(module, peer, *args)
+    except PeerFailed as e:
+        return {"peer": peer, "skipped": f"failed: {e}"}
 
 
 def run_engine_bench(num_requests: int, peers: list[str], hf_requests: int, out: str,

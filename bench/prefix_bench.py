@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import json
 import random
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from bench.isolated import PeerFailed, run_isolated
 from bench.workload import corpus_text, percentile
 
 CONFIGS = ("one-namespace", "multi-namespace", "cache-off")
@@ -139,11 +139,10 @@ def format_table(results: list[dict], spec: PrefixBenchSpec) -> str:
 
 
 def _run_isolated(config: str, spec: PrefixBenchSpec) -> dict:
-    proc = subprocess.run([sys.executable, "-m", "bench.prefix_bench", config, json.dumps(asdict(spec))],
-                          capture_output=True, text=True)
-    if proc.returncode != 0:
-        return {"config": config, "error": (proc.stderr.strip().splitlines() or ["no output"])[-1]}
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    try:
+        return run_isolated("bench.prefix_bench", config, json.dumps(asdict(spec)))
+    except PeerFailed as e:
+        return {"config": config, "error": str(e)}
 
 
 def run_prefix_bench(spec: PrefixBenchSpec, out: str, configs: tuple[str, ...] = CONFIGS) -> dict:
