@@ -22,6 +22,7 @@ from audit.context import get_sensitive
 from audit.events import AUDIT_PURGED, AuditEvent, make_event
 from audit.keys import AuditKeys, load_or_create_keys
 from audit.patterns import is_digest_field, scrub_text
+from audit.prepared import execute
 from audit.tables import audit_checkpoints, audit_events, audit_head, metadata
 
 DEFAULT_CHECKPOINT_EVERY = 1000
@@ -172,8 +173,8 @@ class AuditStore:
         chain_hash = chain.next_chain_hash(self.keys.chain_key, head.chain_hash, canonical)
         row = {**record, "data": chain.canonical_json(record["data"]).decode(), "link": link,
                "chain_hash": chain_hash}
-        conn.execute(_INSERT_EVENT, row)
-        conn.execute(_ADVANCE_HEAD, {"new_seq": seq, "new_link": link, "new_chain_hash": chain_hash})
+        execute(conn, _INSERT_EVENT, row)
+        execute(conn, _ADVANCE_HEAD, {"new_seq": seq, "new_link": link, "new_chain_hash": chain_hash})
         new_head = Head(seq, link, chain_hash)
         if seq % self.checkpoint_every == 0:
             self._insert_checkpoint(conn, new_head)
@@ -261,10 +262,10 @@ class AuditStore:
 def _lock_head(conn: Connection) -> Head:
     # The first statement is a write: PostgreSQL takes the row lock, SQLite takes its RESERVED (write)
     # lock at once, as BEGIN IMMEDIATE would. Concurrent writers wait here, so ``seq`` never forks.
-    row = conn.execute(_LOCK_HEAD).first()
-    if row is None:
+    rows = execute(conn, _LOCK_HEAD)
+    if not rows:
         raise AuditUnavailable("audit_head row missing: run migrations (0002_audit) or AuditStore.start()")
-    return Head(row.seq, row.link, row.chain_hash)
+    return Head(*rows[0])
 
 
 def _scrub_data(value: Any, sensitive: tuple[str, ...], key: str = "") -> Any:

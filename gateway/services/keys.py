@@ -8,6 +8,7 @@ from datetime import datetime, timedelta
 from sqlalchemy import Connection, bindparam, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from audit.prepared import execute
 from gateway.clock import as_utc, utcnow
 from gateway.errors import AuthError, NotFound
 from gateway.schemas.admin import KeyCreated, KeyOut
@@ -188,19 +189,21 @@ def authenticate(conn: Connection, hasher: Hasher, token: str) -> Principal:
     if parsed is None:
         raise AuthError("Incorrect API key provided.", code="malformed_api_key")
     is_admin = parsed.prefix == ADMIN_PREFIX
-    row = conn.execute(_ADMIN_ROW if is_admin else _TENANT_KEY_ROW, {"key_id": parsed.key_id}).first()
+    rows = execute(conn, _ADMIN_ROW if is_admin else _TENANT_KEY_ROW, {"key_id": parsed.key_id})
     # Always compute one HMAC so unknown ids and wrong secrets take the same time.
-    is_match = hasher.verify(parsed.key_id, parsed.secret, row.secret_hash if row else _DUMMY_HASH)
-    if row is None or not is_match:
+    is_match = hasher.verify(parsed.key_id, parsed.secret, rows[0][1] if rows else _DUMMY_HASH)
+    if not rows or not is_match:
         raise AuthError("Incorrect API key provided.", code="invalid_api_key")
     now = utcnow()
     if is_admin:
-        if not _is_live(row.revoked_at, None, now):
+        key_id, _, revoked_at, scopes = rows[0]
+        if not _is_live(revoked_at, None, now):
             raise AuthError("Incorrect API key provided.", code="revoked_api_key")
-        return Principal(kind="admin", key_id=row.id, scopes=frozenset((row.scopes or "").split()))
-    if not _is_live(row.revoked_at, row.expires_at, now):
+        return Principal(kind="admin", key_id=key_id, scopes=frozenset((scopes or "").split()))
+    key_id, _, revoked_at, expires_at, tenant_id, is_disabled, policy_body = rows[0]
+    if not _is_live(revoked_at, expires_at, now):
         raise AuthError("Incorrect API key provided.", code="expired_or_revoked_api_key")
-    if row.is_disabled is None or row.is_disabled:
+    if is_disabled is None or is_disabled:
         raise AuthError("Incorrect API key provided.", code="tenant_disabled")
-    policy = None if row.policy_body is None else parse_policy(row.policy_body)
-    return Principal(kind="tenant", key_id=row.id, tenant_id=row.tenant_id, policy=policy)
+    policy = None if policy_body is None else parse_policy(policy_body)
+    return Principal(kind="tenant", key_id=key_id, tenant_id=tenant_id, policy=policy)

@@ -23,6 +23,7 @@ from sqlalchemy import BigInteger, Connection, and_, bindparam, or_, select, upd
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.sql.dml import Insert, Update
 
+from audit.prepared import execute, execute_many
 from gateway.audit_hook import TxnStep
 from gateway.errors import QuotaExceeded
 from gateway.services.ratelimit import RateLimitInfo, exceeded, rate_limit_info, window_error
@@ -188,12 +189,12 @@ class QuotaService:
         if self._known_rows.get(r.tenant_id) != r.window_starts:
             starts = zip(WINDOWS, r.window_starts, strict=True)
             rows = [{"tid": r.tenant_id, "w": w, "start": s} for w, s in starts]
-            conn.execute(_ensure_row(conn.dialect.name), rows)
+            execute_many(conn, _ensure_row(conn.dialect.name), rows)
         limits = _limits(policy)
         bounds = {f"{w}_tokens": t for w, (t, _) in zip(WINDOWS, limits, strict=True) if t is not None}
         bounds |= {f"{w}_requests": q for w, (_, q) in zip(WINDOWS, limits, strict=True) if q is not None}
         shape = tuple((t is not None, q is not None) for t, q in limits)
-        got = {w: (tokens, requests) for w, tokens, requests in conn.execute(_add(shape), params | bounds)}
+        got = {w: (tokens, requests) for w, tokens, requests in execute(conn, _add(shape), params | bounds)}
         if len(got) < len(WINDOWS):  # raising rolls back the slot and the windows that did fit
             raise _rejection(conn, r, policy, got, now)
         if then is not None:
@@ -239,9 +240,9 @@ class QuotaService:
             "num_completion": num_completion,
             "num_cached": num_cached,
         }
-        conn.execute(LOCK_TENANT, params)
+        execute(conn, LOCK_TENANT, params)
         Slots.give(conn, r.tenant_id, r.instance_id)
-        conn.execute(_SETTLE, params)
+        execute(conn, _SETTLE, params)
         if then is not None:
             then(conn)
 
@@ -258,7 +259,7 @@ def _rejection(
     limits = _limits(policy)
     failed = next(i for i, w in enumerate(WINDOWS) if w not in got)
     error = window_error(WINDOWS[failed], r.num_tokens, limits[failed], ends[failed] - now)
-    rows = {w: (tokens, requests) for w, tokens, requests in conn.execute(_READ, _params(r))}
+    rows = {w: (tokens, requests) for w, tokens, requests in execute(conn, _READ, _params(r))}
     if len(rows) < len(WINDOWS):
         raise _MissingRows  # not over a limit after all: the UPDATE had rows to miss
     minute = got.get("minute") or rows["minute"]

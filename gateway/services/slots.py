@@ -18,6 +18,7 @@ from sqlalchemy import BigInteger, Connection, bindparam, delete, func, or_, sel
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.sql.dml import Insert
 
+from audit.prepared import execute
 from gateway.storage.models import GatewayInstance, Tenant, TenantInFlight
 
 # Instances silent for this many leases are deleted with their slot rows (they stopped counting long ago).
@@ -85,17 +86,17 @@ class Slots:
             ``False`` when the tenant is at its limit (or does not exist); nothing was taken.
         """
         params = {"tid": tenant_id, "iid": self.instance_id, "cutoff": int(now - self.lease_s)}
-        if conn.execute(LOCK_TENANT, params).first() is None:
+        if not execute(conn, LOCK_TENANT, params):
             return False
-        if limit is not None and conn.execute(_NUM_LIVE, params).scalar_one() >= limit:
+        if limit is not None and execute(conn, _NUM_LIVE, params)[0][0] >= limit:
             return False
-        conn.execute(_take(conn.dialect.name), params)
+        execute(conn, _take(conn.dialect.name), params)
         return True
 
     @staticmethod
     def give(conn: Connection, tenant_id: str, instance_id: str) -> None:
         """Give back a slot taken by ``instance_id`` (nothing when its lease row is already gone)."""
-        conn.execute(_GIVE, {"tid": tenant_id, "iid": instance_id})
+        execute(conn, _GIVE, {"tid": tenant_id, "iid": instance_id})
 
     def renew(self, conn: Connection, now: float) -> None:
         """Register or renew this instance's lease, and forget instances silent for many leases."""
