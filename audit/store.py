@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+import sqlite3  # audit.prepared runs SQLite statements on the raw cursor: its errors are unwrapped
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -79,7 +80,8 @@ def now_ts() -> str:
 def _fail_closed(operation: str) -> Iterator[None]:
     try:
         yield
-    except (TimeoutError, sa_exc.DBAPIError, sa_exc.InterfaceError, OSError, ConnectionError) as e:
+    except (TimeoutError, sa_exc.DBAPIError, sa_exc.InterfaceError, sqlite3.Error, OSError,
+            ConnectionError) as e:
         detail = scrub_text(str(getattr(e, "orig", e)).splitlines()[0] if str(e) else "")
         raise AuditUnavailable(f"audit store unavailable ({operation}): {type(e).__name__}: {detail}") from e
 

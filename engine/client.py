@@ -124,6 +124,8 @@ class AsyncLLMEngine:
             stream = self._streams.pop(cmd[1], None)
             if stream is not None and out is not None:
                 stream.put(out)
+            if out is not None:  # blocks were freed: an idle engine takes no step that would refresh it
+                self._stats = self.engine.stats()
 
     def _drain(self, block: bool) -> None:
         try:

@@ -13,7 +13,6 @@ from gateway.guards import requires_tenant
 from gateway.runtime import Runtime
 from gateway.schemas.openai import ChatCompletionRequest, CompletionRequest
 from gateway.services import completions
-from gateway.services.keys import Principal
 
 
 def _model_card(runtime: Runtime) -> dict[str, Any]:
@@ -32,10 +31,10 @@ class OpenAIController(Controller):
     path = "/v1"
     guards = [requires_tenant]
 
+    # The two completion handlers take their runtime and principal from the request rather than by
+    # injection: Litestar resolves two or more dependencies concurrently, in a task group of its own.
     @post("/chat/completions", status_code=200, opt={DEFER_AUTH_AUDIT: True})
-    async def chat_completions(
-        self, request: Request, runtime: Runtime, principal: Principal
-    ) -> Response[Any] | Stream:
+    async def chat_completions(self, request: Request) -> Response[Any] | Stream:
         """Create a chat completion (``stream: true`` for server-sent events).
 
         Returns:
@@ -47,12 +46,11 @@ class OpenAIController(Controller):
             QuotaExceeded: Over a rate or quota (429, with ``Retry-After``).
         """
         body = parse_body(await request.body(), ChatCompletionRequest)
-        return await completions.handle(runtime, principal, body, "chat", request.scope.get("auth"))
+        runtime: Runtime = request.app.state.runtime
+        return await completions.handle(runtime, request.user, body, "chat", request.scope.get("auth"))
 
     @post("/completions", status_code=200, opt={DEFER_AUTH_AUDIT: True})
-    async def text_completions(
-        self, request: Request, runtime: Runtime, principal: Principal
-    ) -> Response[Any] | Stream:
+    async def text_completions(self, request: Request) -> Response[Any] | Stream:
         """Create a text completion (legacy endpoint; ``stream: true`` for SSE).
 
         Returns:
@@ -64,7 +62,8 @@ class OpenAIController(Controller):
             QuotaExceeded: Over a rate or quota (429).
         """
         body = parse_body(await request.body(), CompletionRequest)
-        return await completions.handle(runtime, principal, body, "text", request.scope.get("auth"))
+        runtime: Runtime = request.app.state.runtime
+        return await completions.handle(runtime, request.user, body, "text", request.scope.get("auth"))
 
     @get("/models", sync_to_thread=False)
     def list_models(self, runtime: Runtime) -> dict[str, Any]:

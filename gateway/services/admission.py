@@ -209,7 +209,12 @@ async def _reserve_audited(
 ) -> tuple[Reservation, RateLimitInfo]:
     """Reserve the tokens and record ``request.admitted`` (after the request's deferred ``auth.success``,
     if any): in one transaction when the audit sink can join it, else one after the other, giving the
-    reservation back when the event cannot be recorded."""
+    reservation back when the event cannot be recorded.
+
+    In one transaction, the reservation is returned as soon as it is decided, before its commit has
+    waited for the disk: the engine starts while the disk works, and the caller holds the answer back
+    until ``reservation.committed`` (``QuotaService.reserve`` with ``is_early``).
+    """
     step = rt.audit.step("request.admitted", **fields)
     auth_step = None if auth_event is None or step is None else auth_event.step(rt.audit)
     reservation, info = await rt.quota.reserve(
@@ -218,9 +223,11 @@ async def _reserve_audited(
         decision.num_reserved_tokens,
         time.time(),
         then=chain_steps(auth_step, step),
+        is_early=step is not None,
     )
-    if auth_step is not None:
-        auth_event.mark_recorded()
+    if auth_step is not None and reservation.committed is not None:
+        # Recorded once the commit is done; if it fails, the middleware records it on its own.
+        reservation.committed.add_done_callback(lambda f: _mark_if_ok(f, auth_event))
     if step is None:
         try:
             await rt.audit.emit("request.admitted", **fields)
@@ -228,6 +235,11 @@ async def _reserve_audited(
             await rt.quota.settle(reservation, 0, 0, 0)  # nothing ran: give the reservation back
             raise
     return reservation, info
+
+
+def _mark_if_ok(committed: asyncio.Future, event: DeferredEvent) -> None:
+    if not committed.cancelled() and committed.exception() is None:
+        event.mark_recorded()
 
 
 async def admit(

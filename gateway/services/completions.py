@@ -74,6 +74,8 @@ async def _finish(rt: Runtime, adm: Admission, progress: _Progress) -> None:
     with anyio.CancelScope(shield=True):
         if not progress.is_done:
             rt.engine.abort(adm.request_id)
+        if not await _is_committed(adm):  # nothing was reserved or recorded: nothing to settle
+            return
         num_prompt, num_completion, num_cached = progress.usage(adm)
         last = progress.last
         await _maybe_retain(rt, adm, last)
@@ -147,6 +149,21 @@ async def _wait_for(work: asyncio.Future) -> None:
     await asyncio.shield(work)
 
 
+async def _is_committed(adm: Admission) -> bool:
+    try:
+        await _until_committed(adm)
+    except Exception:  # noqa: BLE001  (the request that waited for it reports the error)
+        return False
+    return True
+
+
+async def _until_committed(adm: Admission) -> None:
+    """Wait until the admission's reservation (and its audit events) are committed: the engine may start
+    before, but nothing it produced is shown before. If the commit fails, so does the request."""
+    if adm.reservation.committed is not None:
+        await adm.reservation.committed
+
+
 async def _run_whole(rt: Runtime, adm: Admission) -> Response[Any]:
     progress = _Progress()
     try:
@@ -154,6 +171,7 @@ async def _run_whole(rt: Runtime, adm: Admission) -> Response[Any]:
         if out is not None and not out.finished:
             async for out in gen:
                 progress.last, progress.is_done = out, out.finished
+        await _until_committed(adm)
     except BaseException:
         await _finish(rt, adm, progress)
         raise
@@ -277,6 +295,7 @@ async def handle(
     progress = _Progress()
     try:
         gen, first = await _first(rt, adm, progress)
+        await _until_committed(adm)
     except BaseException:
         await _finish(rt, adm, progress)
         raise

@@ -14,7 +14,8 @@ windows.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import asyncio
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from functools import lru_cache
 from typing import Any
@@ -43,6 +44,9 @@ class Reservation:
     num_tokens: int
     window_starts: tuple[int, int, int]  # minute, day, month (epoch seconds)
     instance_id: str  # the gateway instance holding its concurrency slot
+    # Resolves once the reservation's transaction has committed, or fails if it did not (``reserve``
+    # with ``is_early``); ``None``: committed before ``reserve`` returned.
+    committed: asyncio.Future | None = field(default=None, compare=False, repr=False)
 
 
 def window_bounds(now: float) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
@@ -157,13 +161,23 @@ class QuotaService:
         self._is_registered = False
 
     async def reserve(
-        self, tenant_id: str, policy: Policy, num_tokens: int, now: float, *, then: TxnStep | None = None
+        self,
+        tenant_id: str,
+        policy: Policy,
+        num_tokens: int,
+        now: float,
+        *,
+        then: TxnStep | None = None,
+        is_early: bool = False,
     ) -> tuple[Reservation, RateLimitInfo]:
         """Hold ``num_tokens`` and one request slot in every window, or raise ``QuotaExceeded``.
 
         Args:
             then: Runs in the same transaction once the reservation holds (the admission's audit event);
                 if it raises, the reservation is rolled back with it.
+            is_early: Return once the reservation is decided, before its commit is done: the caller may
+                start work it can abort, and must wait for ``reservation.committed`` before anything of
+                it is seen (``TxnRunner.run_early``). ``settle`` waits for it too.
         """
         if not self._is_registered:
             await self.heartbeat(now)
@@ -172,13 +186,17 @@ class QuotaService:
         def release(conn: Connection, _: Any) -> None:
             self._settle(conn, reservation, 0, 0, 0, None)
 
+        run = self._db.run_early if is_early else self._db.run
         try:
-            info = await self._db.run(self._reserve, reservation, policy, now, then, undo=release)
+            outcome = await run(self._reserve, reservation, policy, now, then, undo=release)
         except _MissingRows:
             self._known_rows.pop(tenant_id, None)
-            info = await self._db.run(self._reserve, reservation, policy, now, then, undo=release)
+            outcome = await run(self._reserve, reservation, policy, now, then, undo=release)
         self._known_rows[tenant_id] = reservation.window_starts
-        return reservation, info
+        if not is_early:
+            return reservation, outcome
+        info, committed = outcome
+        return replace(reservation, committed=committed), info
 
     def _reserve(
         self, conn: Connection, r: Reservation, policy: Policy, now: float, then: TxnStep | None
@@ -218,7 +236,13 @@ class QuotaService:
 
         Args:
             then: Runs in the same transaction (the request's ``request.finished`` audit event).
+
+        Raises:
+            Exception: The reservation itself did not commit (``reserve`` with ``is_early``): there is
+                nothing to settle, and nothing was.
         """
+        if reservation.committed is not None:
+            await reservation.committed
         await self._db.run(
             self._settle,
             reservation,

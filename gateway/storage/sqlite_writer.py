@@ -29,6 +29,8 @@ class _Job:
     ctx: contextvars.Context
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future
+    # Resolved with the body's result (or error) as soon as the body has run, before the group commits.
+    decided: asyncio.Future | None = None
 
 
 def _connect(dbapi_conn: Any, record: Any, busy_timeout_ms: int = BUSY_TIMEOUT_MS) -> None:
@@ -38,7 +40,8 @@ def _connect(dbapi_conn: Any, record: Any, busy_timeout_ms: int = BUSY_TIMEOUT_M
 
 
 def _begin_deferred(conn: Connection) -> None:
-    conn.exec_driver_sql("BEGIN")
+    if not conn.connection.dbapi_connection.in_transaction:  # type: ignore[union-attr]
+        conn.exec_driver_sql("BEGIN")  # (a held reader connection may have begun it directly)
 
 
 def _begin_immediate(conn: Connection) -> None:
@@ -56,13 +59,21 @@ def _resolve(future: asyncio.Future, is_ok: bool, value: Any) -> None:
         future.set_exception(value)
 
 
+def _resolve_soon(loop: asyncio.AbstractEventLoop, future: asyncio.Future, is_ok: bool, value: Any) -> None:
+    try:
+        loop.call_soon_threadsafe(_resolve, future, is_ok, value)
+    except RuntimeError:  # that event loop is closed: nobody is waiting any more
+        pass
+
+
 class SqliteWriter:
     """This process's only writer thread for one SQLite file, committing bodies in groups.
 
     Bodies queued while a group runs form the next group. Each body runs in its own SAVEPOINT, so its
     error rolls back only its own writes; the group commits once. Under load that is one fsync for many
     requests; alone, a body runs without a savepoint and costs what a single transaction costs. A
-    body's result is handed back only after the group's commit, so nobody acts on uncommitted writes.
+    body's result is handed back only after the group's commit, so nobody acts on uncommitted writes,
+    except through ``decided``: a caller that asks for it must hold back anything visible until the commit.
     """
 
     def __init__(self, url: URL) -> None:
@@ -73,11 +84,20 @@ class SqliteWriter:
         self._thread = threading.Thread(target=self._run, name="kvgate-sqlite-writer", daemon=True)
         self._thread.start()
 
-    def submit(self, fn: Callable[..., Any], args: tuple[Any, ...], is_durable: bool) -> asyncio.Future:
-        """Queue ``fn(conn, *args)``; the future resolves once its group has committed (or failed)."""
+    def submit(
+        self,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        is_durable: bool,
+        decided: asyncio.Future | None = None,
+    ) -> asyncio.Future:
+        """Queue ``fn(conn, *args)``; the future resolves once its group has committed (or failed).
+
+        ``decided``, if given, resolves as soon as the body has run, before the commit (which may still fail).
+        """
         loop = asyncio.get_running_loop()
         # The context (request ids, redaction hints) goes with the body to the writer thread.
-        job = _Job(fn, args, is_durable, contextvars.copy_context(), loop, loop.create_future())
+        job = _Job(fn, args, is_durable, contextvars.copy_context(), loop, loop.create_future(), decided)
         self._jobs.put(job)
         return job.future
 
@@ -107,14 +127,16 @@ class SqliteWriter:
             with self._engine.connect() as conn:
                 _set_synchronous(conn, any(j.is_durable for j in group))
                 with conn.begin():
-                    outcomes = [self._run_one(conn, j, is_alone=len(group) == 1) for j in group]
+                    for job in group:
+                        outcomes.append(self._run_one(conn, job, is_alone=len(group) == 1))
+                        if job.decided is not None:
+                            _resolve_soon(job.loop, job.decided, *outcomes[-1])
         except BaseException as e:  # noqa: BLE001  (the group did not commit: none of it holds)
             outcomes = [(False, e)] * len(group)
         for job, (is_ok, value) in zip(group, outcomes, strict=True):
-            try:
-                job.loop.call_soon_threadsafe(_resolve, job.future, is_ok, value)
-            except RuntimeError:  # that event loop is closed: nobody is waiting any more
-                pass
+            if job.decided is not None:  # a no-op unless the group failed before the body had run
+                _resolve_soon(job.loop, job.decided, is_ok, value)
+            _resolve_soon(job.loop, job.future, is_ok, value)
 
     @staticmethod
     def _run_one(conn: Connection, job: _Job, is_alone: bool) -> tuple[bool, Any]:
@@ -145,22 +167,44 @@ class SqliteReader:
     that is rolled back: one snapshot per body, and never a write lock.
 
     Two pools: an impatient one (``READER_BUSY_MS``) for the event loop, whose ``OperationalError`` the
-    caller answers by retrying on the patient one (the usual busy timeout) in a worker thread.
+    caller answers by retrying on the patient one (the usual busy timeout) in a worker thread. The event
+    loop keeps its one connection checked out and begins and ends each snapshot on it directly: a pool
+    checkout and SQLAlchemy's transaction bookkeeping cost three times the key lookup they wrap.
     """
 
     def __init__(self, url: URL) -> None:
         self._impatient = _reader_engine(url, READER_BUSY_MS, pool_size=1)
         self._patient = _reader_engine(url, BUSY_TIMEOUT_MS, pool_size=2)
+        self._held: Connection | None = None  # the event loop's, used from that thread only
 
     def run(self, fn: Callable[..., Any], args: tuple[Any, ...], *, is_patient: bool) -> Any:
-        with (self._patient if is_patient else self._impatient).connect() as conn:
+        if not is_patient:
+            return self._run_held(fn, args)
+        with self._patient.connect() as conn:
             with conn.begin() as txn:
                 try:
                     return fn(conn, *args)
                 finally:
                     txn.rollback()
 
+    def _run_held(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+        if self._held is None:
+            self._held = self._impatient.connect()
+        conn = self._held
+        raw = conn.connection.dbapi_connection
+        raw.execute("BEGIN")  # type: ignore[union-attr]
+        try:
+            return fn(conn, *args)
+        finally:
+            if conn.in_transaction():  # fn ran SQLAlchemy's own execution, which began its bookkeeping
+                conn.rollback()
+            if raw.in_transaction:  # type: ignore[union-attr]
+                raw.rollback()  # type: ignore[union-attr]
+
     def close(self) -> None:
+        if self._held is not None:
+            self._held.close()
+            self._held = None
         self._impatient.dispose()
         self._patient.dispose()
 

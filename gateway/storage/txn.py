@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -59,7 +60,7 @@ class TxnRunner:
                 return await conn.run_sync(fn, *args)
         try:
             return self._reader.run(fn, args, is_patient=False)
-        except OperationalError:
+        except (OperationalError, sqlite3.OperationalError):  # the latter from ``audit.prepared`` bodies
             return await asyncio.to_thread(self._reader.run, fn, args, is_patient=True)
 
     async def run(
@@ -85,16 +86,46 @@ class TxnRunner:
                 pending.add_done_callback(lambda f: self._maybe_undo(f, undo))
             raise
 
-    def _start(self, fn: TxnBody[T], args: tuple[Any, ...], durable: bool) -> asyncio.Future:
-        if self._writer is not None:
-            return self._writer.submit(fn, args, durable)
-        return asyncio.ensure_future(self._run_async(fn, args, durable))
+    async def run_early(
+        self, fn: TxnBody[T], *args: Any, durable: bool = True, undo: TxnBody[Any] | None = None
+    ) -> tuple[T, asyncio.Future]:
+        """Like ``run``, but return as soon as ``fn`` has run, before the commit, with the commit's future.
 
-    async def _run_async(self, fn: TxnBody[T], args: tuple[Any, ...], durable: bool) -> T:
-        async with self._db.begin() as conn:
-            if not durable and self.dialect == "postgresql":
-                await conn.exec_driver_sql("SET LOCAL synchronous_commit TO OFF")
-            return await conn.run_sync(fn, *args)
+        The future resolves with ``fn``'s result once the commit is done (durable when asked), or with
+        the error that stopped it (the transaction is then rolled back). This lets a caller overlap the
+        commit's wait for the disk with work of its own, which it must keep to itself until the commit
+        is done, and undo if it fails. Errors of ``fn`` itself are raised here, as ``run`` raises them.
+        """
+        decided = asyncio.get_running_loop().create_future()
+        pending = self._start(fn, args, durable and self.is_durable, decided)
+        pending.add_done_callback(_consume)  # the caller may never look at a failed commit's error
+        try:
+            return await asyncio.shield(decided), pending
+        except asyncio.CancelledError:
+            if undo is not None:
+                pending.add_done_callback(lambda f: self._maybe_undo(f, undo))
+            raise
+
+    def _start(
+        self, fn: TxnBody[T], args: tuple[Any, ...], durable: bool, decided: asyncio.Future | None = None
+    ) -> asyncio.Future:
+        if self._writer is not None:
+            return self._writer.submit(fn, args, durable, decided)
+        return asyncio.ensure_future(self._run_async(fn, args, durable, decided))
+
+    async def _run_async(
+        self, fn: TxnBody[T], args: tuple[Any, ...], durable: bool, decided: asyncio.Future | None = None
+    ) -> T:
+        try:
+            async with self._db.begin() as conn:
+                if not durable and self.dialect == "postgresql":
+                    await conn.exec_driver_sql("SET LOCAL synchronous_commit TO OFF")
+                result = await conn.run_sync(fn, *args)
+                _maybe_decide(decided, True, result)
+        except BaseException as e:
+            _maybe_decide(decided, False, e)
+            raise
+        return result
 
     def _maybe_undo(self, done: asyncio.Future, undo: TxnBody[Any]) -> None:
         if not done.cancelled() and done.exception() is None:
@@ -109,3 +140,19 @@ class TxnRunner:
         if self._reader is not None:
             self._reader.close()
             self._reader = None
+
+
+def _maybe_decide(decided: asyncio.Future | None, is_ok: bool, value: Any) -> None:
+    if decided is None or decided.done():
+        return
+    if is_ok:
+        decided.set_result(value)
+    elif isinstance(value, asyncio.CancelledError):
+        decided.cancel()
+    else:
+        decided.set_exception(value)
+
+
+def _consume(done: asyncio.Future) -> None:
+    if not done.cancelled():
+        done.exception()

@@ -25,11 +25,11 @@ def conn(user):
 @pytest.mark.parametrize(
     "guard,allowed,denied", [(requires_tenant, TENANT, ADMIN), (requires_admin, ADMIN, TENANT)]
 )
-def test_guards(guard, allowed, denied):
-    guard(conn(allowed), None)
+async def test_guards(guard, allowed, denied):
+    await guard(conn(allowed), None)
     for user in (denied, None):
         with pytest.raises(Forbidden):
-            guard(conn(user), None)
+            await guard(conn(user), None)
 
 
 async def test_hook_fails_closed_only_when_required():
