@@ -4,6 +4,7 @@ Every peer runs the same chat requests (``max_tokens=1``, greedy) closed-loop at
 
     engine              AsyncLLMEngine.generate() in this process, fed the token ids the gateway computes
     https-chat          POST /v1/chat/completions through `kvgate serve`: TLS, key auth, policy, quota, audit
+    https-chat-httpx    the same request sent with httpx instead of the lean client: the client's own share
     https-chat-nosync   the same with KVGATE_DURABLE_COMMITS=false: no wait for the disk at admission
     https-chat-noaudit  the same with audit off (events go to the log instead of the hash-chained store)
     http-chat           the same over plain HTTP (--insecure-http): the cost of TLS
@@ -14,6 +15,8 @@ Every peer runs the same chat requests (``max_tokens=1``, greedy) closed-loop at
 Added latency is a gateway percentile minus the engine percentile at the same concurrency. Peers are
 interleaved in rounds, so load from anything else on the machine hits them alike. CPU per request is
 the serving process's (the gateway's, or this one's for the engine) and this client's, over the same runs.
+HTTP peers use ``bench.http_client.LeanHttpClient`` (keep-alive, one write per request): the client runs
+on the same two cores as the server, and httpx's own CPU per request would count as gateway latency.
 """
 
 from __future__ import annotations
@@ -32,20 +35,31 @@ from typing import Any
 
 import psutil
 
-from bench.gateway_peers import Call, Peer, Work, chat_call, engine_call, fsync_call, get_call, make_work
+from bench.gateway_peers import (
+    Call,
+    Peer,
+    Work,
+    chat_call,
+    engine_call,
+    fsync_call,
+    get_call,
+    httpx_chat_call,
+    make_work,
+)
 from bench.gateway_servers import GatewayServer, ServerVariant, create_tenant_key
+from bench.http_client import LeanHttpClient
 from bench.workload import percentile
 from gateway.cli.serve_cmds import freeze_startup_heap, unfreeze_heap
 
-PEERS = ("engine", "https-chat", "https-chat-nosync", "https-chat-noaudit", "http-chat", "https-models",
-         "https-healthz", "disk-fsync")
+PEERS = ("engine", "https-chat", "https-chat-httpx", "https-chat-nosync", "https-chat-noaudit", "http-chat",
+         "https-models", "https-healthz", "disk-fsync")
 TARGET_ADDED_P50_MS, TARGET_ADDED_P99_MS = 3.0, 15.0
 _VARIANTS = {"https": ServerVariant("https"), "https-nosync": ServerVariant("https-nosync", durable=False),
              "https-noaudit": ServerVariant("https-noaudit", audit=False),
              "http": ServerVariant("http", insecure_http=True)}
-_PEER_VARIANT = {"https-chat": "https", "https-models": "https", "https-healthz": "https",
-                 "https-chat-nosync": "https-nosync", "https-chat-noaudit": "https-noaudit",
-                 "http-chat": "http"}
+_PEER_VARIANT = {"https-chat": "https", "https-chat-httpx": "https", "https-models": "https",
+                 "https-healthz": "https", "https-chat-nosync": "https-nosync",
+                 "https-chat-noaudit": "https-noaudit", "http-chat": "http"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,9 +154,12 @@ def _peers(names: tuple[str, ...], engine: Any, namespace: bytes, clients: dict[
             peers.append(Peer(name, "probe", fsync_call(data_dir / "fsync-probe")))
         elif name != "engine":
             variant = _PEER_VARIANT[name]
-            client, pid = clients[variant], servers[variant].pid
+            lean, pid = clients[variant], servers[variant].pid
             path = {"https-models": "/v1/models", "https-healthz": "/healthz"}.get(name)
-            call = chat_call(client) if path is None else get_call(client, path)
+            if name == "https-chat-httpx":
+                call = httpx_chat_call(clients["httpx"])
+            else:
+                call = chat_call(lean) if path is None else get_call(lean, path)
             peers.append(Peer(name, "chat" if path is None else "http", call, pid))
     return peers
 
@@ -153,10 +170,14 @@ async def _run_levels(cfg: GatewayBenchConfig, engine: Any, tenant_id: str, api_
 
     work = await make_work(engine.tokenizer, engine.model_name, cfg.num_requests, cfg.seed)
     n = max(cfg.concurrency)  # keep-alive: one connection per worker, reused for every request
-    limits = httpx.Limits(max_connections=n, max_keepalive_connections=n)
-    clients = {name: httpx.AsyncClient(base_url=s.base_url, verify=s.verify, limits=limits, timeout=60,
-                                       headers={"authorization": f"Bearer {api_key}"})
-               for name, s in servers.items()}
+    auth = {"authorization": f"Bearer {api_key}"}
+    clients: dict[str, Any] = {name: LeanHttpClient(srv.base_url, srv.verify, auth)
+                               for name, srv in servers.items()}
+    if "https-chat-httpx" in cfg.peers:
+        limits = httpx.Limits(max_connections=n, max_keepalive_connections=n)
+        server = servers["https"]
+        clients["httpx"] = httpx.AsyncClient(base_url=server.base_url, verify=server.verify, limits=limits,
+                                             timeout=60, headers=auth)
     try:
         peers = _peers(cfg.peers, engine, f"t:{tenant_id}".encode(), clients, servers, data_dir)
         # This process holds an engine too: without this, its own full collections (~250 ms over the
@@ -179,7 +200,7 @@ def _describe(cfg: GatewayBenchConfig, settings: Any, engine: Any, work: list[Wo
             "database": "postgresql" if "postgresql" in settings.database_url else "sqlite",
             "prompt_tokens": {"min": min(lengths), "mean": statistics.fmean(lengths), "max": max(lengths)},
             "max_tokens": 1, "cpu_count": os.cpu_count(), "load_average": os.getloadavg(),
-            "client": "httpx.AsyncClient, HTTP/1.1 keep-alive",
+            "client": "bench.http_client.LeanHttpClient, HTTP/1.1 keep-alive (https-chat-httpx: httpx)",
             "uvicorn_loop": "uvloop" if importlib.util.find_spec("uvloop") else "asyncio",
             "uvicorn_http": "httptools" if importlib.util.find_spec("httptools") else "h11"}
 

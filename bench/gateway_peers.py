@@ -8,6 +8,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import orjson
+
+from bench.http_client import LeanHttpClient
 from bench.workload import standard_workload
 
 
@@ -51,24 +54,37 @@ def engine_call(engine: Any, cache_namespace: bytes) -> Call:
     return call
 
 
-def chat_call(client: Any) -> Call:
+def _check_chat(w: Work, status: int, body: bytes) -> None:
+    if status != 200:
+        raise RuntimeError(f"gateway answered {status}: {body[:300]!r}")
+    usage = orjson.loads(body)["usage"]
+    if usage["prompt_tokens"] != len(w.prompt_ids) or usage["completion_tokens"] != 1:
+        raise RuntimeError(f"the gateway ran a different request than the engine peer: {usage}")
+
+
+def chat_call(client: LeanHttpClient) -> Call:
     async def call(w: Work) -> None:
-        r = await client.post("/v1/chat/completions", content=w.body,
-                              headers={"content-type": "application/json"})
-        if r.status_code != 200:
-            raise RuntimeError(f"gateway answered {r.status_code}: {r.text[:300]}")
-        usage = r.json()["usage"]
-        if usage["prompt_tokens"] != len(w.prompt_ids) or usage["completion_tokens"] != 1:
-            raise RuntimeError(f"the gateway ran a different request than the engine peer: {usage}")
+        _check_chat(w, *await client.request("POST", "/v1/chat/completions", w.body))
 
     return call
 
 
-def get_call(client: Any, path: str) -> Call:
+def httpx_chat_call(client: Any) -> Call:
+    """The same request through httpx (what the openai SDK uses), to show the client's own share."""
+
+    async def call(w: Work) -> None:
+        r = await client.post("/v1/chat/completions", content=w.body,
+                              headers={"content-type": "application/json"})
+        _check_chat(w, r.status_code, r.content)
+
+    return call
+
+
+def get_call(client: LeanHttpClient, path: str) -> Call:
     async def call(_: Work) -> None:
-        r = await client.get(path)
-        if r.status_code != 200:
-            raise RuntimeError(f"GET {path} answered {r.status_code}: {r.text[:300]}")
+        status, body = await client.request("GET", path)
+        if status != 200:
+            raise RuntimeError(f"GET {path} answered {status}: {body[:300]!r}")
 
     return call
 

@@ -63,13 +63,23 @@ def chat_token_ids(tokenizer: Any, req: ChatCompletionRequest) -> list[int]:
         {"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages
     ]
     try:
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     except Exception as e:  # noqa: BLE001  (template errors are the caller's message shape)
         raise InvalidRequest(
             f"The messages cannot be rendered by this model's chat template: {type(e).__name__}.",
             param="messages",
         ) from None
-    return list(ids["input_ids"] if not isinstance(ids, list) else ids)
+    # What apply_chat_template(tokenize=True) does: the rendered text without added special tokens.
+    return encode(tokenizer, text, add_special_tokens=False)
+
+
+def encode(tokenizer: Any, text: str, *, add_special_tokens: bool) -> list[int]:
+    """``tokenizer(text)["input_ids"]``, straight through a fast tokenizer's Rust backend when it has one:
+    the same ids, without transformers' batch wrapping around a single text (a third of the cost)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+    return backend.encode(text, add_special_tokens=add_special_tokens).ids
 
 
 def text_token_ids(tokenizer: Any, req: CompletionRequest) -> list[int]:
@@ -80,7 +90,7 @@ def text_token_ids(tokenizer: Any, req: CompletionRequest) -> list[int]:
             raise InvalidRequest("prompt contains a token id outside the vocabulary.", param="prompt")
         return list(prompt)
     text = prompt[0] if isinstance(prompt, list) else prompt
-    return list(tokenizer(text, add_special_tokens=True)["input_ids"])
+    return encode(tokenizer, text, add_special_tokens=True)
 
 
 def _prompt_chars(req: ChatCompletionRequest | CompletionRequest) -> int:

@@ -10,18 +10,20 @@ from bench.gateway_bench import GatewayBenchConfig, format_table, run_gateway_be
 
 def test_small_run_measures_gateway_and_engine_side_by_side(tmp_path, tiny_model_dir, capsys):
     cfg = GatewayBenchConfig(num_requests=6, num_warmup=2, concurrency=(1, 2), num_rounds=2,
-                             peers=("https-chat", "https-healthz", "disk-fsync"), model=str(tiny_model_dir))
+                             peers=("https-chat", "https-chat-httpx", "https-healthz", "disk-fsync"),
+                             model=str(tiny_model_dir))
     out = tmp_path / "gateway.json"
     report = run_gateway_bench(cfg, str(out), data_dir=tmp_path / "data")
 
     assert json.loads(out.read_text()) == json.loads(json.dumps(report))
     rows = {(r["peer"], r["concurrency"]): r for r in report["results"]}
-    peers = ("engine", "https-chat", "https-healthz", "disk-fsync")
+    peers = ("engine", "https-chat", "https-chat-httpx", "https-healthz", "disk-fsync")
     assert set(rows) == {(p, c) for p in peers for c in (1, 2)}
     for row in rows.values():
         assert row["requests"] == 6 and 0 < row["p50_ms"] <= row["p99_ms"] and row["req_per_s"] > 0
         assert row["server_cpu_ms_per_req"] >= 0
     for c in (1, 2):
+        assert "added_p50_ms" in rows[("https-chat-httpx", c)]
         chat, engine = rows[("https-chat", c)], rows[("engine", c)]
         assert chat["kind"] == "chat" and engine["kind"] == "engine"
         assert chat["added_p50_ms"] == pytest.approx(chat["p50_ms"] - engine["p50_ms"])
