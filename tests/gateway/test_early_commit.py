@@ -2,6 +2,7 @@
 shown before the commit, and a commit that fails takes the whole request with it."""
 
 import asyncio
+import sqlite3
 import time
 
 import pytest
@@ -127,3 +128,28 @@ async def test_a_failed_admission_commit_fails_the_request_and_leaks_nothing(tmp
         # The failed requests' auth.success is still recorded (on its own, after the commit failed).
         assert names == ["auth.success", "auth.success",
                          "auth.success", "request.admitted", "request.finished"]
+
+
+def _break_commit_raw(conn, token_id):
+    """As ``_add_then_break``, on the DBAPI cursor only (SQLAlchemy never learns of the transaction)."""
+    raw = conn.connection.dbapi_connection
+    raw.execute("INSERT INTO admin_tokens (id, name, secret_hash, created_at, scopes) "
+                "VALUES (?, '', '', '2026-01-01 00:00:00', '')", (token_id,))
+    raw.execute("PRAGMA defer_foreign_keys=ON")
+    raw.execute("INSERT INTO api_keys (id, tenant_id, name, secret_hash, created_at) "
+                "VALUES ('orphan', 'no-such-tenant', '', '', '2026-01-01 00:00:00')")
+    return token_id
+
+
+@pytest.mark.parametrize("body", [_add_then_break, _break_commit_raw])
+async def test_the_writer_recovers_from_a_failed_commit(sqlite_url, body):
+    db = make_db_engine(sqlite_url, null_pool=True)
+    runner = TxnRunner(db)
+    try:
+        with pytest.raises(IntegrityError if body is _add_then_break else sqlite3.IntegrityError):
+            await runner.run(body, "lost")
+        assert await runner.run(_add_token, "after") == "after"  # the writer's connection is usable
+        assert await _token_ids(db) == {"after"}
+    finally:
+        await runner.close()
+        await db.dispose()
