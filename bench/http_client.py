@@ -45,13 +45,16 @@ class LeanHttpClient:
         Raises:
             HttpError: A reply that is not HTTP/1.1 as this client reads it.
         """
-        reader, writer = self._idle.pop() if self._idle else await self._open()
+        reader, writer = await self._connection()
         head = f"{method} {path} HTTP/1.1\r\nhost: {self._host}\r\n{self._fixed}"
         if body or method == "POST":
             head += f"content-type: {content_type}\r\ncontent-length: {len(body)}\r\n"
         writer.write(head.encode() + b"\r\n" + body)
         try:
             status, reply, keep = await _read_reply(reader)
+        except (asyncio.IncompleteReadError, ConnectionError) as e:  # IncompleteReadError is an EOFError
+            writer.close()
+            raise HttpError(f"the server closed the connection mid-reply: {type(e).__name__}") from None
         except BaseException:
             writer.close()
             raise
@@ -61,7 +64,14 @@ class LeanHttpClient:
             writer.close()
         return status, reply
 
-    async def _open(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    async def _connection(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        """An idle connection the server has not closed (its keep-alive timeout closes idle ones while
+        other peers run), else a new one. A request is never sent twice."""
+        while self._idle:
+            reader, writer = self._idle.pop()
+            if not reader.at_eof() and not writer.is_closing():
+                return reader, writer
+            writer.close()
         return await asyncio.open_connection(self._host, self._port, ssl=self._ssl)
 
     async def aclose(self) -> None:

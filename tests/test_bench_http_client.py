@@ -48,3 +48,24 @@ async def test_a_reply_it_cannot_frame_is_an_error(reply):
         client = LeanHttpClient(f"http://127.0.0.1:{port}", False, {})
         with pytest.raises(HttpError):
             await client.request("GET", "/")
+
+
+async def test_a_connection_the_server_closed_while_idle_is_replaced():
+    replies = [b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"]
+    connections = []
+
+    async def handle(reader, writer):  # answers one request per connection, then closes it
+        connections.append(writer)
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(replies[0])
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    async with server:
+        client = LeanHttpClient(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}", False, {})
+        assert await client.request("GET", "/") == (200, b"ok")
+        await asyncio.sleep(0.1)  # the close reaches the client while the connection sits in its pool
+        assert await client.request("GET", "/") == (200, b"ok")
+        await client.aclose()
+    assert len(connections) == 2
