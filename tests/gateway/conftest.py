@@ -7,6 +7,7 @@ import os
 import secrets
 import threading
 from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +18,8 @@ from gateway.app import create_app
 from gateway.services import keys, tenants
 from gateway.settings import Settings
 from gateway.storage import migrate
+from gateway.storage.db import make_db_engine
+from gateway.storage.txn import TxnRunner
 from policies import Policy
 
 PG_HOST = os.environ.get("KVGATE_TEST_PG_HOST", "127.0.0.1")
@@ -239,3 +242,40 @@ async def tenant_events(db_url: str, data_dir: Path, tenant_id: str) -> list[tup
     finally:
         await store.engine.dispose()
     return [(name, request_id, json.loads(data)) for name, request_id, data in rows]
+
+
+def add_token(conn: object, token_id: str, delay_s: float = 0.0) -> str:
+    """A transaction body for the runner tests: insert an admin-token row (then hold the transaction)."""
+    import time
+
+    from sqlalchemy import insert
+
+    from gateway.clock import utcnow
+    from gateway.storage.models import AdminToken
+
+    conn.execute(insert(AdminToken.__table__).values(  # type: ignore[attr-defined]
+        id=token_id, name="", secret_hash="0" * 64, created_at=utcnow()))
+    time.sleep(delay_s)
+    return token_id
+
+
+async def token_ids(db: object) -> set[str]:
+    """The admin-token ids committed in ``db`` (an async engine)."""
+    from sqlalchemy import select
+
+    from gateway.storage.models import AdminToken
+
+    async with db.connect() as conn:  # type: ignore[attr-defined]
+        return set((await conn.execute(select(AdminToken.__table__.c.id))).scalars())
+
+
+@asynccontextmanager
+async def open_runner(url: str, **kwargs: object) -> AsyncIterator[tuple[object, TxnRunner]]:
+    """An async engine on ``url`` and a ``TxnRunner`` over it, both closed on exit."""
+    db = make_db_engine(url, null_pool=True)
+    runner = TxnRunner(db, **kwargs)  # type: ignore[arg-type]
+    try:
+        yield db, runner
+    finally:
+        await runner.close()
+        await db.dispose()

@@ -6,25 +6,13 @@ import sqlite3
 import time
 
 import pytest
-from sqlalchemy import insert, select
+from sqlalchemy import insert
 from sqlalchemy.exc import IntegrityError
 
-from gateway.storage.db import make_db_engine
-from gateway.storage.models import AdminToken, ApiKey
-from gateway.storage.txn import TxnRunner
+from gateway.storage.models import ApiKey
 from policies import Policy
 
-from .conftest import open_gateway, tenant_events
-
-_TOKENS = AdminToken.__table__
-
-
-def _add_token(conn, token_id, delay_s=0.0):
-    from gateway.clock import utcnow
-
-    conn.execute(insert(_TOKENS).values(id=token_id, name="", secret_hash="0" * 64, created_at=utcnow()))
-    time.sleep(delay_s)
-    return token_id
+from .conftest import add_token, open_gateway, open_runner, tenant_events, token_ids
 
 
 def _break_commit(conn):
@@ -37,42 +25,30 @@ def _break_commit(conn):
 
 
 def _add_then_break(conn, token_id):
-    _add_token(conn, token_id)
+    add_token(conn, token_id)
     _break_commit(conn)
     return token_id
 
 
-async def _token_ids(db):
-    async with db.connect() as conn:
-        return set((await conn.execute(select(_TOKENS.c.id))).scalars())
+def _fail(conn):
+    raise ValueError("boom")
 
 
 async def test_run_early_gives_the_result_then_the_commit(db_url):
-    db = make_db_engine(db_url, null_pool=True)
-    runner = TxnRunner(db)
-
-    def fail(conn):
-        raise ValueError("boom")
-
-    try:
-        result, committed = await runner.run_early(_add_token, "early")
+    async with open_runner(db_url) as (db, runner):
+        result, committed = await runner.run_early(add_token, "early")
         assert result == "early" and await committed == "early"
-        assert await _token_ids(db) == {"early"}
+        assert await token_ids(db) == {"early"}
         with pytest.raises(ValueError):  # the body's own error comes from run_early itself
-            await runner.run_early(fail)
-    finally:
-        await runner.close()
-        await db.dispose()
+            await runner.run_early(_fail)
 
 
 async def test_run_early_returns_while_its_group_still_runs_and_reports_a_failed_commit(sqlite_url):
-    db = make_db_engine(sqlite_url, null_pool=True)
-    runner = TxnRunner(db)
-    try:
-        busy = asyncio.ensure_future(runner.run(_add_token, "first", 0.3))
+    async with open_runner(sqlite_url) as (db, runner):
+        busy = asyncio.ensure_future(runner.run(add_token, "first", 0.3))
         await asyncio.sleep(0.1)  # the writer is inside "first": the next two queue into one group
-        early = asyncio.ensure_future(runner.run_early(_add_token, "early"))
-        slow = asyncio.ensure_future(runner.run(_add_token, "slow", 0.5))
+        early = asyncio.ensure_future(runner.run_early(add_token, "early"))
+        slow = asyncio.ensure_future(runner.run(add_token, "slow", 0.5))
         result, committed = await early
         assert result == "early" and not committed.done()  # decided; "slow" still holds the group open
         assert await committed == "early" and await slow == "slow"
@@ -82,10 +58,7 @@ async def test_run_early_returns_while_its_group_still_runs_and_reports_a_failed
         assert result == "lost"  # the body ran...
         with pytest.raises(IntegrityError):
             await committed  # ...but its commit failed, and nothing of it holds
-        assert await _token_ids(db) == {"first", "early", "slow"}
-    finally:
-        await runner.close()
-        await db.dispose()
+        assert await token_ids(db) == {"first", "early", "slow"}
 
 
 def _chat(gw, key, max_tokens=2):
@@ -143,13 +116,8 @@ def _break_commit_raw(conn, token_id):
 
 @pytest.mark.parametrize("body", [_add_then_break, _break_commit_raw])
 async def test_the_writer_recovers_from_a_failed_commit(sqlite_url, body):
-    db = make_db_engine(sqlite_url, null_pool=True)
-    runner = TxnRunner(db)
-    try:
+    async with open_runner(sqlite_url) as (db, runner):
         with pytest.raises(IntegrityError if body is _add_then_break else sqlite3.IntegrityError):
             await runner.run(body, "lost")
-        assert await runner.run(_add_token, "after") == "after"  # the writer's connection is usable
-        assert await _token_ids(db) == {"after"}
-    finally:
-        await runner.close()
-        await db.dispose()
+        assert await runner.run(add_token, "after") == "after"  # the writer's connection is usable
+        assert await token_ids(db) == {"after"}

@@ -4,37 +4,20 @@ import asyncio
 import time
 
 import pytest
-from sqlalchemy import delete, insert, select
+from sqlalchemy import delete
 
 from gateway.storage.db import make_db_engine
 from gateway.storage.models import AdminToken
 from gateway.storage.txn import TxnRunner
 from policies import Policy
 
-from .conftest import open_gateway, tenant_events
+from .conftest import add_token, open_gateway, open_runner, tenant_events, token_ids
 
 _TOKENS = AdminToken.__table__
 
 
-def _add_token(conn, token_id, delay_s=0.0):
-    conn.execute(insert(_TOKENS).values(id=token_id, name="", secret_hash="0" * 64, created_at=_now()))
-    time.sleep(delay_s)
-    return token_id
-
-
 def _drop_token(conn, token_id):
     conn.execute(delete(_TOKENS).where(_TOKENS.c.id == token_id))
-
-
-def _now():
-    from gateway.clock import utcnow
-
-    return utcnow()
-
-
-async def _token_ids(db):
-    async with db.connect() as conn:
-        return set((await conn.execute(select(_TOKENS.c.id))).scalars())
 
 
 def _sync_level(conn):
@@ -48,14 +31,14 @@ async def test_runner_commits_rolls_back_and_sets_durability(db_url):
     runner, relaxed = TxnRunner(db), TxnRunner(db, is_durable=False)  # KVGATE_DURABLE_COMMITS=false
 
     def fail(conn):
-        _add_token(conn, "rolled-back")
+        add_token(conn, "rolled-back")
         raise ValueError("boom")
 
     try:
-        assert await runner.run(_add_token, "committed") == "committed"
+        assert await runner.run(add_token, "committed") == "committed"
         with pytest.raises(ValueError):
             await runner.run(fail)
-        assert await _token_ids(db) == {"committed"}
+        assert await token_ids(db) == {"committed"}
         assert await runner.run(_sync_level) == "on-disk"
         assert await runner.run(_sync_level, durable=False) == "off-disk"
         assert await runner.run(_sync_level) == "on-disk"
@@ -67,36 +50,29 @@ async def test_runner_commits_rolls_back_and_sets_durability(db_url):
 
 
 async def test_runner_undoes_a_commit_its_cancelled_caller_never_saw(sqlite_url):
-    db = make_db_engine(sqlite_url, null_pool=True)
-    runner = TxnRunner(db)
-    try:
+    async with open_runner(sqlite_url) as (db, runner):
         for token_id, undo in (("undone", _drop_token), ("kept", None)):
-            call = asyncio.ensure_future(runner.run(_add_token, token_id, 0.3, undo=undo))
+            call = asyncio.ensure_future(runner.run(add_token, token_id, 0.3, undo=undo))
             await asyncio.sleep(0.05)
             call.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await call
         deadline = time.monotonic() + 10  # both bodies finish in the writer thread; then the undo runs
-        while await _token_ids(db) != {"kept"} and time.monotonic() < deadline:
+        while await token_ids(db) != {"kept"} and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
-        assert await _token_ids(db) == {"kept"}
-    finally:
-        await runner.close()
-        await db.dispose()
+        assert await token_ids(db) == {"kept"}
 
 
 async def test_writer_groups_queued_bodies_and_isolates_a_failing_one(sqlite_url):
-    db = make_db_engine(sqlite_url, null_pool=True)
-    runner = TxnRunner(db)
+    async with open_runner(sqlite_url) as (db, runner):
 
-    def add(conn, token_id, should_fail=False):
-        _add_token(conn, token_id)
-        if should_fail:
-            raise ValueError(token_id)
-        return conn.get_transaction()  # the object itself, so its id cannot be reused
+        def add(conn, token_id, should_fail=False):
+            add_token(conn, token_id)
+            if should_fail:
+                raise ValueError(token_id)
+            return conn.get_transaction()  # the object itself, so its id cannot be reused
 
-    try:
-        busy = asyncio.ensure_future(runner.run(_add_token, "first", 0.3))
+        busy = asyncio.ensure_future(runner.run(add_token, "first", 0.3))
         await asyncio.sleep(0.1)  # the writer is inside "first": the next three queue into one group
         grouped = await asyncio.gather(
             runner.run(add, "a"), runner.run(add, "b", True), runner.run(add, "c"), return_exceptions=True
@@ -104,10 +80,7 @@ async def test_writer_groups_queued_bodies_and_isolates_a_failing_one(sqlite_url
         await busy
         assert isinstance(grouped[1], ValueError)
         assert grouped[0] is grouped[2]  # one transaction, one commit
-        assert await _token_ids(db) == {"first", "a", "c"}  # b's savepoint alone was rolled back
-    finally:
-        await runner.close()
-        await db.dispose()
+        assert await token_ids(db) == {"first", "a", "c"}  # b's savepoint alone was rolled back
 
 
 def _chat(gw, key, content="hi"):

@@ -6,20 +6,16 @@ import threading
 import time
 
 import pytest
-from sqlalchemy import insert, select
+from sqlalchemy import select
 
 from audit.prepared import execute
 from gateway.storage.db import make_db_engine
 from gateway.storage.models import AdminToken
 from gateway.storage.txn import TxnRunner
 
+from .conftest import add_token
+
 _TOKENS = AdminToken.__table__
-
-
-def _add_token(conn, token_id):
-    from gateway.clock import utcnow
-
-    conn.execute(insert(_TOKENS).values(id=token_id, name="", secret_hash="0" * 64, created_at=utcnow()))
 
 
 def _ids(conn):
@@ -35,7 +31,7 @@ def _ids_direct(conn):
 
 
 def _write_and_return(conn):
-    _add_token(conn, "from-a-read")
+    add_token(conn, "from-a-read")
     return _ids(conn)
 
 
@@ -43,12 +39,12 @@ async def test_read_sees_commits_and_never_keeps_a_write(db_url):
     db = make_db_engine(db_url, null_pool=True)
     runner = TxnRunner(db)
     try:
-        await runner.run(_add_token, "committed")
+        await runner.run(add_token, "committed")
         assert await runner.read(_ids) == ["committed"]
         # A body that writes anyway sees its own write, and the read transaction then rolls it back.
         assert await runner.read(_write_and_return) == ["committed", "from-a-read"]
         assert await runner.read(_ids) == ["committed"]
-        await runner.run(_add_token, "next")  # the writer was never blocked by the reads
+        await runner.run(add_token, "next")  # the writer was never blocked by the reads
         assert await runner.read(_ids) == ["committed", "next"]
         assert await runner.read(_ids_direct) == ["committed", "next"]
     finally:
@@ -110,7 +106,7 @@ async def test_read_retries_a_driver_busy_error_in_a_worker_thread(sqlite_url):
         return _ids_direct(conn)
 
     try:
-        await runner.run(_add_token, "committed")
+        await runner.run(add_token, "committed")
         assert await runner.read(flaky) == ["committed"]
         assert on_loop_thread == [True, False]
         assert await runner.read(_ids_direct) == ["committed"]  # the held connection is still usable
