@@ -8,7 +8,7 @@ import contextvars
 import queue
 import threading
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from typing import Any
 
@@ -154,9 +154,13 @@ class SqliteWriter:
         return self._held
 
     def _drop_connection(self) -> None:
-        if self._held is not None:
-            self._held.close()
-            self._held = None
+        held, self._held = self._held, None
+        if held is not None:
+            try:
+                held.close()
+            except Exception:  # noqa: BLE001  (a broken connection may fail to close; the thread must live on)
+                with suppress(Exception):
+                    held.invalidate()
 
     def _run_group(self, group: list[_Job]) -> None:
         outcomes: list[tuple[bool, Any]] = []
