@@ -75,18 +75,21 @@ def _immediate_transaction(conn: Connection) -> Iterator[None]:
         raise
 
 
-def _resolve(future: asyncio.Future, is_ok: bool, value: Any) -> None:
+def resolve(future: asyncio.Future, is_ok: bool, value: Any) -> None:
+    """Settle ``future`` with a result or an error unless it is settled already (a cancellation cancels)."""
     if future.done():
         return
     if is_ok:
         future.set_result(value)
+    elif isinstance(value, asyncio.CancelledError):
+        future.cancel()
     else:
         future.set_exception(value)
 
 
 def _resolve_soon(loop: asyncio.AbstractEventLoop, future: asyncio.Future, is_ok: bool, value: Any) -> None:
     try:
-        loop.call_soon_threadsafe(_resolve, future, is_ok, value)
+        loop.call_soon_threadsafe(resolve, future, is_ok, value)
     except RuntimeError:  # that event loop is closed: nobody is waiting any more
         pass
 

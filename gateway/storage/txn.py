@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from gateway.storage.sqlite_writer import SqliteReader, SqliteWriter
+from gateway.storage.sqlite_writer import SqliteReader, SqliteWriter, resolve
 
 T = TypeVar("T")
 TxnBody = Callable[..., T]  # fn(conn: Connection, *args) -> T
@@ -121,9 +121,11 @@ class TxnRunner:
                 if not durable and self.dialect == "postgresql":
                     await conn.exec_driver_sql("SET LOCAL synchronous_commit TO OFF")
                 result = await conn.run_sync(fn, *args)
-                _maybe_decide(decided, True, result)
+                if decided is not None:
+                    resolve(decided, True, result)
         except BaseException as e:
-            _maybe_decide(decided, False, e)
+            if decided is not None:
+                resolve(decided, False, e)
             raise
         return result
 
@@ -140,17 +142,6 @@ class TxnRunner:
         if self._reader is not None:
             self._reader.close()
             self._reader = None
-
-
-def _maybe_decide(decided: asyncio.Future | None, is_ok: bool, value: Any) -> None:
-    if decided is None or decided.done():
-        return
-    if is_ok:
-        decided.set_result(value)
-    elif isinstance(value, asyncio.CancelledError):
-        decided.cancel()
-    else:
-        decided.set_exception(value)
 
 
 def _consume(done: asyncio.Future) -> None:
