@@ -30,8 +30,7 @@ class LeanHttpClient:
     def __init__(self, base_url: str, verify: ssl.SSLContext | bool, headers: dict[str, str]) -> None:
         url = urlsplit(base_url)
         self._host, self._port = url.hostname or "127.0.0.1", url.port or 80
-        self._ssl = (verify if isinstance(verify, ssl.SSLContext) else ssl.create_default_context()) \
-            if url.scheme == "https" else None
+        self._ssl = _tls_context(verify) if url.scheme == "https" else None
         self._fixed = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
         self._idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
 
@@ -78,6 +77,17 @@ class LeanHttpClient:
         while self._idle:
             _, writer = self._idle.pop()
             writer.close()
+
+
+def _tls_context(verify: ssl.SSLContext | bool) -> ssl.SSLContext:
+    """As httpx reads ``verify``: a context as given, ``True`` the system's trust, ``False`` no checks."""
+    if isinstance(verify, ssl.SSLContext):
+        return verify
+    context = ssl.create_default_context()
+    if not verify:
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+    return context
 
 
 async def _read_reply(reader: asyncio.StreamReader) -> tuple[int, bytes, bool]:
