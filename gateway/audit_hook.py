@@ -28,7 +28,7 @@ AuditSink = Callable[[str, Mapping[str, Any]], Awaitable[None] | None]
 TxnStep = Callable[[Connection], None]
 # Makes an event into a step that appends it inside a caller's synchronous database transaction.
 TxnSink = Callable[[str, Mapping[str, Any]], TxnStep]
-TxnRun = Callable[..., Awaitable[None]]  # run(step, durable=...)
+TxnRun = Callable[..., Awaitable[None]]  # run(step, durable=..., inline=...)
 
 log = structlog.get_logger("kvgate.audit")
 
@@ -75,7 +75,7 @@ class AuditHook:
         ``TxnRunner.run``); the next durable commit makes it durable too."""
         with _failing_closed(name, required):
             if self._txn_sink is not None and self._txn_run is not None:
-                await self._txn_run(self._txn_sink(name, fields), durable=durable)
+                await self._txn_run(self._txn_sink(name, fields), durable=durable, inline=True)
                 return
             result = self._sink(name, fields)
             if inspect.isawaitable(result):

@@ -152,7 +152,7 @@ class QuotaService:
 
     async def heartbeat(self, now: float) -> None:
         """Renew this instance's lease (call well within ``slots.lease_s``)."""
-        await self._db.run(self.slots.renew, now, durable=False)
+        await self._db.run(self.slots.renew, now, durable=False, inline=True)
         self._is_registered = True
 
     async def release_all(self) -> None:
@@ -188,10 +188,10 @@ class QuotaService:
 
         run = self._db.run_early if is_early else self._db.run
         try:
-            outcome = await run(self._reserve, reservation, policy, now, then, undo=release)
+            outcome = await run(self._reserve, reservation, policy, now, then, undo=release, inline=True)
         except _MissingRows:
             self._known_rows.pop(tenant_id, None)
-            outcome = await run(self._reserve, reservation, policy, now, then, undo=release)
+            outcome = await run(self._reserve, reservation, policy, now, then, undo=release, inline=True)
         self._known_rows[tenant_id] = reservation.window_starts
         if not is_early:
             return reservation, outcome
@@ -251,6 +251,7 @@ class QuotaService:
             num_cached_tokens,
             then,
             durable=False,
+            inline=True,
         )
 
     @staticmethod

@@ -1,5 +1,5 @@
 """SQLite group commit: one writer thread runs queued transaction bodies together, one commit per group;
-and a reader that runs short read-only bodies on the caller's thread."""
+a short body may run on its caller's thread while the writer is idle, leaving the writer its commit."""
 
 from __future__ import annotations
 
@@ -7,19 +7,29 @@ import asyncio
 import contextvars
 import queue
 import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager, suppress
+from collections.abc import Callable
+from contextlib import suppress
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Connection, Engine, create_engine, event
+from sqlalchemy import Connection, create_engine, event
 from sqlalchemy.engine import URL
 
-from gateway.storage.db import BUSY_TIMEOUT_MS, sqlite_pragmas
+from gateway.storage.db import BUSY_TIMEOUT_MS
+from gateway.storage.sqlite_conn import (
+    begin_immediate,
+    commit,
+    connect_sqlite,
+    immediate_transaction,
+    is_stuck,
+    rollback,
+    set_pragmas,
+)
 
 MAX_GROUP = 64
-# How long an in-loop read waits for SQLite's lock before it is handed to a worker thread instead.
-READER_BUSY_MS = 20
+# How long a body on the event loop's thread waits for SQLite's lock (another process writing) before
+# the work is handed to a thread that waits the full busy timeout instead.
+LOOP_BUSY_MS = 20
 
 
 @dataclass(slots=True)
@@ -34,45 +44,15 @@ class _Job:
     decided: asyncio.Future | None = None
 
 
-def _connect(dbapi_conn: Any, record: Any, busy_timeout_ms: int = BUSY_TIMEOUT_MS) -> None:
-    sqlite_pragmas(dbapi_conn, record, busy_timeout_ms)
-    # Let SQLAlchemy emit BEGIN itself (below): pysqlite's implicit BEGIN breaks SAVEPOINT.
-    dbapi_conn.isolation_level = None
+@dataclass(slots=True)
+class _InlineEnd:
+    """The writer thread's cue that a body run on its caller's thread has ended: commit its transaction
+    and resolve ``future`` with ``value``; without a future there is nothing to commit (it never began,
+    or its caller rolled it back), and the writer just takes its connection back."""
 
-
-def _begin_deferred(conn: Connection) -> None:
-    if not conn.connection.dbapi_connection.in_transaction:  # type: ignore[union-attr]
-        conn.exec_driver_sql("BEGIN")  # (a held reader connection may have begun it directly)
-
-
-def _begin_immediate(conn: Connection) -> None:
-    # Take the write lock up front: a read-then-write body can never hit SQLITE_BUSY_SNAPSHOT, and a
-    # writer in another process is waited for (busy_timeout) instead of failing the group half-way.
-    if not conn.connection.dbapi_connection.in_transaction:  # type: ignore[union-attr]
-        conn.exec_driver_sql("BEGIN IMMEDIATE")  # (the writer's groups begin it directly)
-
-
-@contextmanager
-def _immediate_transaction(conn: Connection) -> Iterator[None]:
-    """``BEGIN IMMEDIATE`` .. ``COMMIT`` straight on the DBAPI connection: SQLAlchemy's transaction
-    bookkeeping costs ~0.1 ms a transaction, as much as a reservation's statements. A body that uses
-    SQLAlchemy's own execution, or a group's savepoints, makes SQLAlchemy begin its bookkeeping inside
-    this transaction (``_begin_immediate`` sees it open); it is then ended through SQLAlchemy."""
-    raw = conn.connection.dbapi_connection
-    raw.execute("BEGIN IMMEDIATE")  # type: ignore[union-attr]
-    try:
-        yield
-        if conn.in_transaction():
-            conn.commit()
-        else:
-            raw.commit()  # type: ignore[union-attr]
-    except BaseException:
-        txn = conn.get_transaction()  # also one a failed commit left inactive, which in_transaction() hides
-        if txn is not None:
-            txn.rollback()
-        if raw.in_transaction:  # type: ignore[union-attr]
-            raw.rollback()  # type: ignore[union-attr]  (also after a failed COMMIT, which leaves it open)
-        raise
+    loop: asyncio.AbstractEventLoop | None = None
+    future: asyncio.Future | None = None
+    value: Any = None
 
 
 def resolve(future: asyncio.Future, is_ok: bool, value: Any) -> None:
@@ -102,14 +82,21 @@ class SqliteWriter:
     requests; alone, a body runs without a savepoint and costs what a single transaction costs. A
     body's result is handed back only after the group's commit, so nobody acts on uncommitted writes,
     except through ``decided``: a caller that asks for it must hold back anything visible until the commit.
+
+    ``inline`` bodies skip the two thread hand-offs when nothing is queued or running: the caller's
+    thread begins the transaction and runs the body, and only the commit (the wait for the disk) goes
+    to the writer thread. Bodies queued meanwhile wait for that commit, so the order is the same.
     """
 
     def __init__(self, url: URL) -> None:
         self._engine = create_engine(url.set(drivername="sqlite"), pool_size=1, max_overflow=0)
-        event.listen(self._engine, "connect", _connect)
-        event.listen(self._engine, "begin", _begin_immediate)
+        event.listen(self._engine, "connect", connect_sqlite)
+        event.listen(self._engine, "begin", begin_immediate)
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
-        self._held: Connection | None = None  # the writer thread's, kept checked out between groups
+        self._held: Connection | None = None  # kept checked out between groups
+        self._lock = threading.Lock()
+        self._num_outstanding = 0  # queued or running bodies, an inline one until its commit is done
+        self._is_inline_open = False  # a caller runs a body on the held connection, or it waits to commit
         self._thread = threading.Thread(target=self._run, name="kvgate-sqlite-writer", daemon=True)
         self._thread.start()
 
@@ -119,16 +106,64 @@ class SqliteWriter:
         args: tuple[Any, ...],
         is_durable: bool,
         decided: asyncio.Future | None = None,
+        *,
+        inline: bool = False,
     ) -> asyncio.Future:
         """Queue ``fn(conn, *args)``; the future resolves once its group has committed (or failed).
 
         ``decided``, if given, resolves as soon as the body has run, before the commit (which may still fail).
+        ``inline``: run the body here and now if the writer is idle; only for a few indexed statements,
+        as the event loop waits for it.
         """
         loop = asyncio.get_running_loop()
+        if inline and self._may_begin_inline(is_durable):
+            return self._run_inline(fn, args, loop, decided)
         # The context (request ids, redaction hints) goes with the body to the writer thread.
         job = _Job(fn, args, is_durable, contextvars.copy_context(), loop, loop.create_future(), decided)
+        with self._lock:
+            self._num_outstanding += 1
         self._jobs.put(job)
         return job.future
+
+    def _may_begin_inline(self, is_durable: bool) -> bool:
+        with self._lock:
+            if self._num_outstanding:
+                return False
+            self._num_outstanding, self._is_inline_open = 1, True
+        try:
+            conn = self._connection()
+            set_pragmas(conn, is_durable, LOOP_BUSY_MS)
+            conn.connection.dbapi_connection.execute("BEGIN IMMEDIATE")  # type: ignore[union-attr]
+        except Exception:  # noqa: BLE001  (another process writes, or the connection broke: queue it)
+            self._jobs.put(_InlineEnd())
+            return False
+        return True
+
+    def _run_inline(
+        self,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        loop: asyncio.AbstractEventLoop,
+        decided: asyncio.Future | None,
+    ) -> asyncio.Future:
+        conn, future = self._held, loop.create_future()
+        assert conn is not None
+        try:
+            value = contextvars.copy_context().run(fn, conn, *args)
+        except BaseException as e:
+            with suppress(Exception):  # a connection that stays in its transaction is dropped by the writer
+                rollback(conn)
+            self._jobs.put(_InlineEnd())
+            if not isinstance(e, Exception):
+                raise
+            for pending in (decided, future):
+                if pending is not None:
+                    resolve(pending, False, e)
+            return future
+        if decided is not None:
+            resolve(decided, True, value)
+        self._jobs.put(_InlineEnd(loop, future, value))
+        return future
 
     def close(self) -> None:
         """Finish the queued bodies and stop (blocking)."""
@@ -137,19 +172,51 @@ class SqliteWriter:
         self._engine.dispose()
 
     def _run(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            group = [job]
-            while len(group) < MAX_GROUP:
-                try:
-                    job = self._jobs.get_nowait()
-                except queue.Empty:
-                    break
-                if job is None:
-                    self._jobs.put(None)  # stop after this group
-                    break
-                group.append(job)
-            self._run_group(group)
+        is_stopping = False
+        while not is_stopping:
+            group, is_stopping = self._next_group()
+            if group:
+                self._run_group(group)
         self._drop_connection()
+
+    def _next_group(self) -> tuple[list[_Job], bool]:
+        """The queued bodies to run together, and whether to stop after them. An inline body's commit
+        is done on the way: bodies queued while it ran come before its end in the queue, but after it."""
+        group: list[_Job] = []
+        item = self._jobs.get()
+        while True:
+            if item is None:
+                return group, True
+            if isinstance(item, _InlineEnd):
+                self._end_inline(item)
+            else:
+                group.append(item)
+            with self._lock:
+                is_inline_open = self._is_inline_open
+            if is_inline_open:  # its end is on the way: nothing may begin before it
+                item = self._jobs.get()
+                continue
+            if len(group) >= MAX_GROUP:
+                return group, False
+            try:
+                item = self._jobs.get_nowait()
+            except queue.Empty:
+                return group, False
+
+    def _end_inline(self, end: _InlineEnd) -> None:
+        is_ok, value = True, end.value
+        if end.future is not None and self._held is not None:
+            try:
+                commit(self._held)
+            except BaseException as e:  # noqa: BLE001  (reported to the caller)
+                is_ok, value = False, e
+                with suppress(Exception):
+                    rollback(self._held)
+        self._maybe_drop_connection()
+        with self._lock:
+            self._num_outstanding, self._is_inline_open = self._num_outstanding - 1, False
+        if end.future is not None and end.loop is not None:
+            _resolve_soon(end.loop, end.future, is_ok, value)
 
     def _connection(self) -> Connection:
         if self._held is None:
@@ -165,20 +232,25 @@ class SqliteWriter:
                 with suppress(Exception):
                     held.invalidate()
 
+    def _maybe_drop_connection(self) -> None:
+        if self._held is not None and (self._held.invalidated or is_stuck(self._held)):
+            self._drop_connection()  # the next transaction starts on a fresh connection
+
     def _run_group(self, group: list[_Job]) -> None:
         outcomes: list[tuple[bool, Any]] = []
         try:
             conn = self._connection()
-            _set_synchronous(conn, any(j.is_durable for j in group))
-            with _immediate_transaction(conn):
+            set_pragmas(conn, any(j.is_durable for j in group), BUSY_TIMEOUT_MS)
+            with immediate_transaction(conn):
                 for job in group:
                     outcomes.append(self._run_one(conn, job, is_alone=len(group) == 1))
                     if job.decided is not None:
                         _resolve_soon(job.loop, job.decided, *outcomes[-1])
         except BaseException as e:  # noqa: BLE001  (the group did not commit: none of it holds)
             outcomes = [(False, e)] * len(group)
-            if self._held is not None and (self._held.invalidated or _is_stuck(self._held)):
-                self._drop_connection()  # the next group starts on a fresh connection
+            self._maybe_drop_connection()
+        with self._lock:  # before the callers hear of it: the connection is free for an inline body
+            self._num_outstanding -= len(group)
         for job, (is_ok, value) in zip(group, outcomes, strict=True):
             if job.decided is not None:  # a no-op unless the group failed before the body had run
                 _resolve_soon(job.loop, job.decided, is_ok, value)
@@ -197,74 +269,3 @@ class SqliteWriter:
                 # rather than let later bodies run outside any transaction.
                 raise
             return False, e
-
-
-def _is_stuck(conn: Connection) -> bool:
-    """A connection that is still inside a transaction after the group's rollback (it failed too)."""
-    try:
-        return bool(conn.connection.dbapi_connection.in_transaction)  # type: ignore[union-attr]
-    except Exception:  # noqa: BLE001  (closed or broken: not worth keeping either)
-        return True
-
-
-def _set_synchronous(conn: Connection, is_durable: bool) -> None:
-    """``FULL`` waits for the disk at commit; ``NORMAL`` (WAL) does not, and loses nothing on a crash of
-    this process. Set outside the transaction, on the raw connection, before BEGIN."""
-    level = "FULL" if is_durable else "NORMAL"
-    if conn.connection.info.get("synchronous") != level:
-        conn.connection.dbapi_connection.execute(f"PRAGMA synchronous={level}")
-        conn.connection.info["synchronous"] = level
-
-
-class SqliteReader:
-    """Read-only transaction bodies on the calling thread, each in a ``BEGIN`` (deferred) transaction
-    that is rolled back: one snapshot per body, and never a write lock.
-
-    Two pools: an impatient one (``READER_BUSY_MS``) for the event loop, whose ``OperationalError`` the
-    caller answers by retrying on the patient one (the usual busy timeout) in a worker thread. The event
-    loop keeps its one connection checked out and begins and ends each snapshot on it directly: a pool
-    checkout and SQLAlchemy's transaction bookkeeping cost three times the key lookup they wrap.
-    """
-
-    def __init__(self, url: URL) -> None:
-        self._impatient = _reader_engine(url, READER_BUSY_MS, pool_size=1)
-        self._patient = _reader_engine(url, BUSY_TIMEOUT_MS, pool_size=2)
-        self._held: Connection | None = None  # the event loop's, used from that thread only
-
-    def run(self, fn: Callable[..., Any], args: tuple[Any, ...], *, is_patient: bool) -> Any:
-        if not is_patient:
-            return self._run_held(fn, args)
-        with self._patient.connect() as conn:
-            with conn.begin() as txn:
-                try:
-                    return fn(conn, *args)
-                finally:
-                    txn.rollback()
-
-    def _run_held(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
-        if self._held is None:
-            self._held = self._impatient.connect()
-        conn = self._held
-        raw = conn.connection.dbapi_connection
-        raw.execute("BEGIN")  # type: ignore[union-attr]
-        try:
-            return fn(conn, *args)
-        finally:
-            if conn.in_transaction():  # fn ran SQLAlchemy's own execution, which began its bookkeeping
-                conn.rollback()
-            if raw.in_transaction:  # type: ignore[union-attr]
-                raw.rollback()  # type: ignore[union-attr]
-
-    def close(self) -> None:
-        if self._held is not None:
-            self._held.close()
-            self._held = None
-        self._impatient.dispose()
-        self._patient.dispose()
-
-
-def _reader_engine(url: URL, busy_timeout_ms: int, pool_size: int) -> Engine:
-    engine = create_engine(url.set(drivername="sqlite"), pool_size=pool_size, max_overflow=8)
-    event.listen(engine, "connect", lambda c, r: _connect(c, r, busy_timeout_ms))
-    event.listen(engine, "begin", _begin_deferred)
-    return engine

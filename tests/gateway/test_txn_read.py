@@ -55,7 +55,7 @@ async def test_read_sees_commits_and_never_keeps_a_write(db_url):
 @pytest.mark.parametrize("read_ids", [_ids, _ids_direct])
 async def test_read_waits_for_a_locked_database_off_the_event_loop(sqlite_url, read_ids):
     """Another process holding SQLite's exclusive lock makes readers wait: the loop's own read gives up
-    after READER_BUSY_MS and the read goes on in a worker thread, so other tasks keep running."""
+    after LOOP_BUSY_MS and the read goes on in a worker thread, so other tasks keep running."""
     path = sqlite_url.split(":///", 1)[1]
     locker = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
     locker.execute("PRAGMA locking_mode=EXCLUSIVE")
