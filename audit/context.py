@@ -8,6 +8,8 @@ from contextvars import ContextVar
 
 import structlog
 
+from audit.patterns import sensitive
+
 CONTEXT_KEYS = ("request_id", "tenant_id", "key_id")
 
 # Values that must never reach a log line even as substrings (the current request's prompt, say).
@@ -35,7 +37,7 @@ def get_request_context() -> dict[str, str | None]:
 
 def register_sensitive(*values: str) -> None:
     """Mark strings (prompts, completions) that the redactor must scrub wherever they appear."""
-    extra = tuple(v for v in values if isinstance(v, str) and v)
+    extra = tuple(sensitive(v) for v in values if isinstance(v, str) and v)
     _sensitive.set(_sensitive.get() + extra)
 
 

@@ -73,6 +73,27 @@ def _card_sub(match: re.Match[str]) -> str:
     return match.group(0)
 
 
+class Sensitive(str):
+    """A value to scrub (``sensitive``), with the forms it may show up in worked out once, when it is
+    registered, rather than for every string it is scrubbed from (an audit event has a dozen)."""
+
+    forms: tuple[str, ...]
+
+
+def sensitive(value: str) -> Sensitive:
+    marked = Sensitive(value)
+    marked.forms = _forms(value)
+    return marked
+
+
+def _forms(value: str) -> tuple[str, ...]:
+    """The value as it may show up: escaped (repr in a traceback, JSON in a body) or one line at a time;
+    longest first, so a line inside the whole is not replaced before the whole."""
+    forms = {value, repr(value)[1:-1], value.encode("unicode_escape").decode("ascii", "replace")}
+    forms.update(line for line in value.splitlines() if len(line.strip()) >= 8)
+    return tuple(sorted((f for f in forms if f), key=len, reverse=True))
+
+
 def scrub_text(text: str, sensitive: tuple[str, ...] = ()) -> str:
     """Remove every known secret form, and each ``sensitive`` value (plus its repr/JSON escapes)."""
     for value in sensitive:
@@ -87,11 +108,8 @@ def scrub_text(text: str, sensitive: tuple[str, ...] = ()) -> str:
 def _scrub_value(text: str, value: str) -> str:
     if len(value) < 4:
         return text
-    # The same prompt may show up escaped (repr in a traceback, JSON in a body) or one line at a time.
-    forms = {value, repr(value)[1:-1], value.encode("unicode_escape").decode("ascii", "replace")}
-    forms.update(line for line in value.splitlines() if len(line.strip()) >= 8)
-    for form in sorted(forms, key=len, reverse=True):
-        if form and form in text:
+    for form in value.forms if isinstance(value, Sensitive) else _forms(value):
+        if form in text:
             text = text.replace(form, "[REDACTED:content]")
     return text
 

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from structlog.testing import capture_logs
 
-from audit.context import bind_request_context, clear_request_context, register_sensitive
+from audit.context import bind_request_context, clear_request_context, get_sensitive, register_sensitive
 from audit.logging import configure_logging
 from audit.patterns import ADMIN_TOKEN_FORMAT, KVG_KEY_FORMAT, scrub_text
 from audit.redact import NOT_ALLOWED, Redactor
@@ -151,3 +151,24 @@ _FRAGMENTS = [*FULL_SECRETS, "Authorization", ": ", "=", "Bearer ", "token ", "p
 @settings(max_examples=400, deadline=None)
 def test_the_one_scan_shortcut_never_changes_the_result(text: str) -> None:
     assert scrub_text(text) == _scrub_every_pattern(text)
+
+
+_PROMPT_PARTS = ["Tell me about ", "line one is long enough\n", "tab\there", "quote ' and \" ", "é ü 😀 ",
+                 "back\\slash ", "\r\n", "x" * 9]
+
+
+@given(st.lists(st.sampled_from(_PROMPT_PARTS) | st.text(max_size=12), min_size=1, max_size=6).map("".join).filter(bool),
+       st.sampled_from(["{}", "{!r}", "{!a}", "[{}]", "json: {}", "err: {}"]))
+@settings(max_examples=300, deadline=None)
+def test_a_registered_value_scrubs_as_the_plain_string_does(prompt: str, shape: str) -> None:
+    """``register_sensitive`` works out a value's escaped and per-line forms once; scrubbing with them
+    must give what working them out for every scrubbed string gives."""
+    register_sensitive(prompt)
+    [marked] = get_sensitive()
+    assert marked == prompt and marked is not prompt
+    texts = [shape.format(prompt), orjson.dumps({"p": prompt}).decode(), *prompt.splitlines()]
+    for text in texts:
+        assert scrub_text(text, (marked,)) == scrub_text(text, (str(prompt),))
+    if len(prompt) >= 4 and prompt not in "[REDACTED:content]":
+        assert prompt not in scrub_text(shape.format(prompt), (marked,))
+    clear_request_context()
