@@ -11,6 +11,8 @@ Every peer runs the same chat requests (``max_tokens=1``, greedy) closed-loop at
     https-models        GET /v1/models: TLS + HTTP + key auth (and its audit event), no admission or engine
     https-healthz       GET /healthz: the floor of TLS + HTTP + this client, no database at all
     disk-fsync          probe: one 512-byte append + fdatasync in the data dir, the floor of a durable commit
+    https-chat-baseline with --baseline: https-chat served by another checkout (an earlier commit), so a
+                        change is measured against what it changes in the same interleaved rounds
 
 Added latency is a gateway percentile minus the engine percentile at the same concurrency. Peers are
 interleaved in rounds, so load from anything else on the machine hits them alike. CPU per request is
@@ -28,15 +30,11 @@ import os
 import shutil
 import statistics
 import tempfile
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import psutil
-
 from bench.gateway_peers import (
-    Call,
     Peer,
     Work,
     chat_call,
@@ -46,9 +44,9 @@ from bench.gateway_peers import (
     httpx_chat_call,
     make_work,
 )
-from bench.gateway_servers import GatewayServer, ServerVariant, create_tenant_key
+from bench.gateway_rounds import measure
+from bench.gateway_servers import ROOT, GatewayServer, ServerVariant, create_tenant_key
 from bench.http_client import LeanHttpClient
-from bench.workload import percentile
 from gateway.cli.serve_cmds import freeze_startup_heap, unfreeze_heap
 
 PEERS = ("engine", "https-chat", "https-chat-httpx", "https-chat-nosync", "https-chat-noaudit", "http-chat",
@@ -59,7 +57,8 @@ _VARIANTS = {"https": ServerVariant("https"), "https-nosync": ServerVariant("htt
              "http": ServerVariant("http", insecure_http=True)}
 _PEER_VARIANT = {"https-chat": "https", "https-chat-httpx": "https", "https-models": "https",
                  "https-healthz": "https", "https-chat-nosync": "https-nosync",
-                 "https-chat-noaudit": "https-noaudit", "http-chat": "http"}
+                 "https-chat-noaudit": "https-noaudit", "http-chat": "http",
+                 "https-chat-baseline": "https-baseline"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,76 +73,11 @@ class GatewayBenchConfig:
     model: str | None = None
     db_url: str | None = None
     seed: int = 0
+    baseline: str | None = None  # another kvgate checkout, served as peer https-chat-baseline
 
-
-async def closed_loop(call: Call, work: list[Work], concurrency: int) -> tuple[list[float], float]:
-    """``concurrency`` workers each send their next request as soon as the last one answered.
-
-    Returns:
-        Per-request latencies (s) and the wall time (s).
-    """
-    pending, latencies = iter(work), []
-
-    async def worker() -> None:
-        for w in pending:  # one shared iterator: each request is sent exactly once
-            t0 = time.perf_counter()
-            await call(w)
-            latencies.append(time.perf_counter() - t0)
-
-    t0 = time.perf_counter()
-    await asyncio.gather(*(worker() for _ in range(concurrency)))
-    return latencies, time.perf_counter() - t0
-
-
-def _cpu_s(pid: int | None) -> float:
-    times = psutil.Process(pid).cpu_times()
-    return times.user + times.system
-
-
-@dataclass(slots=True)
-class _Tally:
-    latencies: list[float]
-    wall_s: float = 0.0
-    server_cpu_s: float = 0.0
-    client_cpu_s: float = 0.0
-
-    async def run(self, peer: Peer, work: list[Work], concurrency: int) -> None:
-        server0, client0 = _cpu_s(peer.pid), _cpu_s(None)
-        latencies, wall = await closed_loop(peer.call, work, concurrency)
-        self.latencies += latencies
-        self.wall_s += wall
-        if peer.pid is not None:
-            self.server_cpu_s += _cpu_s(peer.pid) - server0
-            self.client_cpu_s += _cpu_s(None) - client0
-        else:
-            self.server_cpu_s += _cpu_s(None) - client0
-
-    def row(self, peer: Peer, concurrency: int) -> dict[str, Any]:
-        ms, n = [x * 1e3 for x in self.latencies], len(self.latencies)
-        return {"peer": peer.name, "kind": peer.kind, "concurrency": concurrency, "requests": n,
-                "p50_ms": percentile(ms, 50), "p90_ms": percentile(ms, 90), "p99_ms": percentile(ms, 99),
-                "mean_ms": statistics.fmean(ms), "req_per_s": n / self.wall_s,
-                "server_cpu_ms_per_req": self.server_cpu_s * 1e3 / n,
-                "client_cpu_ms_per_req": self.client_cpu_s * 1e3 / n if peer.pid is not None else None}
-
-
-async def measure(peers: list[Peer], work: list[Work], concurrency: int, num_rounds: int,
-                  num_warmup: int) -> list[dict[str, Any]]:
-    """Warm every peer up, then run ``work`` split into rounds, rotating which peer goes first."""
-    for peer in peers:
-        await closed_loop(peer.call, work[:num_warmup], concurrency)
-    tallies = [_Tally([]) for _ in peers]
-    for r in range(num_rounds):
-        k = r % len(peers)
-        for i in [*range(k, len(peers)), *range(k)]:
-            await tallies[i].run(peers[i], work[r::num_rounds], concurrency)
-    rows = [t.row(p, concurrency) for p, t in zip(peers, tallies, strict=True)]
-    base = next(r for r in rows if r["kind"] == "engine")
-    for row in rows:
-        if row["kind"] == "chat":
-            row["added_p50_ms"] = row["p50_ms"] - base["p50_ms"]
-            row["added_p99_ms"] = row["p99_ms"] - base["p99_ms"]
-    return rows
+    @property
+    def peer_names(self) -> tuple[str, ...]:
+        return self.peers + (("https-chat-baseline",) if self.baseline else ())
 
 
 def _peers(names: tuple[str, ...], engine: Any, namespace: bytes, clients: dict[str, Any],
@@ -179,7 +113,7 @@ async def _run_levels(cfg: GatewayBenchConfig, engine: Any, tenant_id: str, api_
         clients["httpx"] = httpx.AsyncClient(base_url=server.base_url, verify=server.verify, limits=limits,
                                              timeout=60, headers=auth)
     try:
-        peers = _peers(cfg.peers, engine, f"t:{tenant_id}".encode(), clients, servers, data_dir)
+        peers = _peers(cfg.peer_names, engine, f"t:{tenant_id}".encode(), clients, servers, data_dir)
         # This process holds an engine too: without this, its own full collections (~250 ms over the
         # model's and libraries' objects) land in whichever peer is being timed, as `kvgate serve` does.
         freeze_startup_heap()
@@ -205,6 +139,16 @@ def _describe(cfg: GatewayBenchConfig, settings: Any, engine: Any, work: list[Wo
             "uvicorn_http": "httptools" if importlib.util.find_spec("httptools") else "h11"}
 
 
+def _checkout(path: str | None) -> Path:
+    """A kvgate checkout to serve from (``--baseline``), or this one."""
+    if path is None:
+        return ROOT
+    root = Path(path).expanduser().resolve()
+    if not (root / "gateway" / "cli" / "__init__.py").is_file():
+        raise ValueError(f"--baseline {path}: not a kvgate checkout (no gateway/cli there)")
+    return root
+
+
 def _run(cfg: GatewayBenchConfig, data_dir: Path) -> dict[str, Any]:
     from engine import AsyncLLMEngine
     from engine.testing import make_tiny_model_dir
@@ -221,8 +165,10 @@ def _run(cfg: GatewayBenchConfig, data_dir: Path) -> dict[str, Any]:
     servers: dict[str, GatewayServer] = {}
     engine = None
     try:
-        for variant in dict.fromkeys(_PEER_VARIANT[p] for p in cfg.peers if p in _PEER_VARIANT):
-            servers[variant] = GatewayServer(settings, _VARIANTS[variant]).start()
+        baseline = ServerVariant("https-baseline", root=_checkout(cfg.baseline))
+        variants = _VARIANTS | {"https-baseline": baseline}
+        for variant in dict.fromkeys(_PEER_VARIANT[p] for p in cfg.peer_names if p in _PEER_VARIANT):
+            servers[variant] = GatewayServer(settings, variants[variant]).start()
         engine = AsyncLLMEngine(settings.engine_config())  # the very config `kvgate serve` builds
         engine.start()
         work, rows = asyncio.run(_run_levels(cfg, engine, tenant_id, api_key, servers, data_dir))
@@ -255,6 +201,14 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
+def validate(cfg: GatewayBenchConfig) -> None:
+    """Raises ValueError: an unknown peer, or a baseline that is not a kvgate checkout."""
+    unknown = set(cfg.peers) - set(PEERS)
+    if unknown:
+        raise ValueError(f"unknown peers {sorted(unknown)}; known: {PEERS}")
+    _checkout(cfg.baseline)
+
+
 def run_gateway_bench(
     cfg: GatewayBenchConfig, out: str | None, data_dir: Path | None = None
 ) -> dict[str, Any]:
@@ -273,12 +227,10 @@ def run_gateway_bench(
         ``{"config", "results", "targets"}``; ``results`` has one row per peer and concurrency.
 
     Raises:
-        ValueError: An unknown peer.
+        ValueError: An unknown peer, or a baseline that is not a kvgate checkout.
         RuntimeError: A server did not start, or a request failed or ran differently from the engine peer.
     """
-    unknown = set(cfg.peers) - set(PEERS)
-    if unknown:
-        raise ValueError(f"unknown peers {sorted(unknown)}; known: {PEERS}")
+    validate(cfg)
     tmp = None if data_dir is not None else Path(tempfile.mkdtemp(prefix="kvgate-bench-gw-"))
     try:
         report = _run(cfg, data_dir or tmp)

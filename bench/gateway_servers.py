@@ -36,12 +36,14 @@ BENCH_POLICY = Policy(
 @dataclass(frozen=True, slots=True)
 class ServerVariant:
     """One way to start the gateway: ``insecure_http`` drops TLS; ``audit`` off logs events instead;
-    ``durable`` off commits admissions without waiting for the disk."""
+    ``durable`` off commits admissions without waiting for the disk; ``root``, another kvgate checkout
+    whose code serves (an earlier commit, to compare with), sharing this one's data dir and database."""
 
     name: str
     insecure_http: bool = False
     audit: bool = True
     durable: bool = True
+    root: Path = ROOT
 
 
 async def create_tenant_key(settings: Settings) -> tuple[str, str]:
@@ -83,7 +85,7 @@ def _serve_argv(settings: Settings, variant: ServerVariant, port: int) -> list[s
 
 
 class GatewayServer:
-    """``kvgate serve`` in a subprocess (this checkout's code), ready once ``/readyz`` answers 200."""
+    """``kvgate serve`` in a subprocess (the variant's checkout), ready once ``/readyz`` answers 200."""
 
     def __init__(self, settings: Settings, variant: ServerVariant) -> None:
         self.variant = variant
@@ -93,7 +95,7 @@ class GatewayServer:
         self.ca = settings.data_dir / "tls" / "ca.pem"
         self.log_path = settings.data_dir / f"serve-{variant.name}.log"
         env = os.environ | {"PYTHONPATH": os.pathsep.join(
-            p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
+            p for p in (str(variant.root), os.environ.get("PYTHONPATH", "")) if p)}
         env["KVGATE_AUDIT_ENABLED"] = "true" if variant.audit else "false"
         env["KVGATE_DURABLE_COMMITS"] = "true" if variant.durable else "false"
         self._argv, self._env = _serve_argv(settings, variant, self.port), env
@@ -110,7 +112,7 @@ class GatewayServer:
 
     def start(self, timeout_s: float = 180.0) -> GatewayServer:
         with open(self.log_path, "wb") as log:
-            self._proc = subprocess.Popen(self._argv, env=self._env, cwd=ROOT, stdout=log,
+            self._proc = subprocess.Popen(self._argv, env=self._env, cwd=self.variant.root, stdout=log,
                                           stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout_s
         while not self._is_ready():

@@ -25,9 +25,12 @@ def bench_gateway(
     db_url: Annotated[str | None, typer.Option(help="Database; default SQLite in a temp data dir.")] = None,
     out: Annotated[str, typer.Option(help="Where to write the JSON results.")] = "bench-results/gateway.json",
     seed: int = 0,
+    baseline: Annotated[str | None, typer.Option(help=(
+        "Another kvgate checkout (e.g. `git worktree add /tmp/base HEAD~1`), served beside this one as "
+        "peer https-chat-baseline: a change and what it changes, measured in the same rounds."))] = None,
 ) -> None:
     """Same chat requests (max_tokens=1) through `kvgate serve` (HTTPS, auth, quota, audit) and the engine."""
-    from bench.gateway_bench import GatewayBenchConfig, run_gateway_bench
+    from bench.gateway_bench import GatewayBenchConfig, run_gateway_bench, validate
 
     cfg = GatewayBenchConfig(
         num_requests=num_requests,
@@ -38,5 +41,10 @@ def bench_gateway(
         model=model,
         db_url=db_url,
         seed=seed,
+        baseline=baseline,
     )
+    try:
+        validate(cfg)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
     run_gateway_bench(cfg, out)

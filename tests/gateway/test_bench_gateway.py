@@ -6,24 +6,26 @@ import pytest
 from typer.testing import CliRunner
 
 from bench.gateway_bench import GatewayBenchConfig, format_table, run_gateway_bench
+from bench.gateway_servers import ROOT
 
 
 def test_small_run_measures_gateway_and_engine_side_by_side(tmp_path, tiny_model_dir, capsys):
     cfg = GatewayBenchConfig(num_requests=6, num_warmup=2, concurrency=(1, 2), num_rounds=2,
                              peers=("https-chat", "https-chat-httpx", "https-healthz", "disk-fsync"),
-                             model=str(tiny_model_dir))
+                             model=str(tiny_model_dir), baseline=str(ROOT))  # this checkout, served twice
     out = tmp_path / "gateway.json"
     report = run_gateway_bench(cfg, str(out), data_dir=tmp_path / "data")
 
     assert json.loads(out.read_text()) == json.loads(json.dumps(report))
     rows = {(r["peer"], r["concurrency"]): r for r in report["results"]}
-    peers = ("engine", "https-chat", "https-chat-httpx", "https-healthz", "disk-fsync")
+    peers = ("engine", "https-chat", "https-chat-httpx", "https-healthz", "disk-fsync", "https-chat-baseline")
     assert set(rows) == {(p, c) for p in peers for c in (1, 2)}
     for row in rows.values():
         assert row["requests"] == 6 and 0 < row["p50_ms"] <= row["p99_ms"] and row["req_per_s"] > 0
         assert row["server_cpu_ms_per_req"] >= 0
     for c in (1, 2):
         assert "added_p50_ms" in rows[("https-chat-httpx", c)]
+        assert "added_p50_ms" in rows[("https-chat-baseline", c)]
         chat, engine = rows[("https-chat", c)], rows[("engine", c)]
         assert chat["kind"] == "chat" and engine["kind"] == "engine"
         assert chat["added_p50_ms"] == pytest.approx(chat["p50_ms"] - engine["p50_ms"])
@@ -42,6 +44,9 @@ def test_small_run_measures_gateway_and_engine_side_by_side(tmp_path, tiny_model
 def test_unknown_peer_is_refused_before_anything_starts(tmp_path):
     with pytest.raises(ValueError, match="unknown peers"):
         run_gateway_bench(GatewayBenchConfig(peers=("nginx",)), None, data_dir=tmp_path)
+    assert not any(tmp_path.iterdir())
+    with pytest.raises(ValueError, match="not a kvgate checkout"):
+        run_gateway_bench(GatewayBenchConfig(baseline=str(tmp_path)), None, data_dir=tmp_path)
     assert not any(tmp_path.iterdir())
 
 
