@@ -102,6 +102,9 @@ def serve(
     determinism_modes: Annotated[
         str | None, typer.Option(help="Modes served, e.g. fast,batch_invariant (KVGATE_DETERMINISM_MODES).")
     ] = None,
+    reserved_cpus: Annotated[
+        int | None, typer.Option(help="Cores kept from the engine for the gateway (KVGATE_RESERVED_CPUS).")
+    ] = None,
 ) -> None:
     """Run the HTTPS gateway with the engine in-process (migrates the database first)."""
     import uvicorn
@@ -122,6 +125,7 @@ def serve(
         dtype=dtype,
         device=device,
         determinism_modes=determinism_modes,
+        reserved_cpus=reserved_cpus,
     )
     configure_serve_logging(settings)
     settings.data_dir.mkdir(parents=True, exist_ok=True)
