@@ -141,6 +141,9 @@ def llm(tiny_model_dir: Path):  # type: ignore[no-untyped-def]
             num_kv_blocks=256,
             max_num_seqs=16,
             scheduling_policy="priority",
+            # As `kvgate serve` and `kvgate replay` pin them (one core kept for the gateway): torch's
+            # thread count is process-wide, and part of the system fingerprint a replay compares.
+            num_threads=Settings(data_dir=tiny_model_dir).engine_threads,
         )
     )
     engine.start()
