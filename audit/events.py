@@ -74,8 +74,13 @@ SECRET_FIELD_NAMES = frozenset({
 })
 
 
+_SCALARS = frozenset({str, int, float, bool, type(None)})
+
+
 def strip_secrets(value: Any) -> Any:
     """A copy of ``value`` without secret-named keys (for admin before/after snapshots)."""
+    if type(value) in _SCALARS:  # most fields: no ABC check
+        return value
     if isinstance(value, Mapping):
         return {str(k): strip_secrets(v) for k, v in value.items()
                 if str(k).lower() not in SECRET_FIELD_NAMES}

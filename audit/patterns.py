@@ -94,11 +94,29 @@ def _forms(value: str) -> tuple[str, ...]:
     return tuple(sorted((f for f in forms if f), key=len, reverse=True))
 
 
+# Short strings one scan found free of any secret form (ids, model names, modes: an audit event's fields
+# repeat across events and requests). Only clean strings are kept, never one a pattern matched.
+_CLEAN: dict[str, None] = {}
+_CLEAN_MAX_CHARS, _CLEAN_MAX_ENTRIES = 128, 4096
+
+
+def _is_clean(text: str) -> bool:
+    if text in _CLEAN:
+        return True
+    if _ANY_SECRET.search(text):
+        return False
+    if len(text) <= _CLEAN_MAX_CHARS:
+        if len(_CLEAN) >= _CLEAN_MAX_ENTRIES:
+            _CLEAN.clear()
+        _CLEAN[text] = None
+    return True
+
+
 def scrub_text(text: str, sensitive: tuple[str, ...] = ()) -> str:
     """Remove every known secret form, and each ``sensitive`` value (plus its repr/JSON escapes)."""
     for value in sensitive:
         text = _scrub_value(text, value)
-    if not _ANY_SECRET.search(text):
+    if _is_clean(text):
         return text
     for pattern, replacement in _SUBSTITUTIONS:
         text = pattern.sub(replacement, text)

@@ -69,7 +69,7 @@ class PurgeResult:
 
 def format_ts(dt: datetime) -> str:
     """Fixed-width ISO-8601 UTC, so stored timestamps sort as strings."""
-    return dt.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    return dt.astimezone(UTC).replace(tzinfo=None).isoformat(timespec="microseconds") + "Z"
 
 
 def now_ts() -> str:

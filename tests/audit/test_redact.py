@@ -155,9 +155,10 @@ def test_the_one_scan_shortcut_never_changes_the_result(text: str) -> None:
 
 _PROMPT_PARTS = ["Tell me about ", "line one is long enough\n", "tab\there", "quote ' and \" ", "é ü 😀 ",
                  "back\\slash ", "\r\n", "x" * 9]
+_PROMPTS = st.lists(st.sampled_from(_PROMPT_PARTS) | st.text(max_size=12), min_size=1, max_size=6)
 
 
-@given(st.lists(st.sampled_from(_PROMPT_PARTS) | st.text(max_size=12), min_size=1, max_size=6).map("".join).filter(bool),
+@given(_PROMPTS.map("".join).filter(bool),
        st.sampled_from(["{}", "{!r}", "{!a}", "[{}]", "json: {}", "err: {}"]))
 @settings(max_examples=300, deadline=None)
 def test_a_registered_value_scrubs_as_the_plain_string_does(prompt: str, shape: str) -> None:
@@ -172,3 +173,21 @@ def test_a_registered_value_scrubs_as_the_plain_string_does(prompt: str, shape: 
     if len(prompt) >= 4 and prompt not in "[REDACTED:content]":
         assert prompt not in scrub_text(shape.format(prompt), (marked,))
     clear_request_context()
+
+
+def test_only_short_clean_strings_are_remembered_and_prompts_are_still_scrubbed() -> None:
+    from audit import patterns
+
+    patterns._CLEAN.clear()
+    assert scrub_text("tenant 1234 said hello there") == "tenant 1234 said hello there"
+    assert "tenant 1234 said hello there" in patterns._CLEAN
+    for secret in FULL_SECRETS:  # a string a pattern matched is never kept, and is scrubbed every time
+        assert scrub_text(secret) == scrub_text(secret) != secret
+        assert secret not in patterns._CLEAN
+    longer = "plain words " * 20
+    assert scrub_text(longer) == longer and longer not in patterns._CLEAN
+    register_sensitive("said hello there")  # remembered as clean, it still loses a registered prompt
+    assert scrub_text("tenant 1234 said hello there", get_sensitive()) == "tenant 1234 [REDACTED:content]"
+    for i in range(patterns._CLEAN_MAX_ENTRIES + 10):
+        scrub_text(f"id-{i}")
+    assert len(patterns._CLEAN) <= patterns._CLEAN_MAX_ENTRIES
