@@ -29,6 +29,7 @@ import json
 import os
 import shutil
 import statistics
+import subprocess
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -130,13 +131,25 @@ async def _run_levels(cfg: GatewayBenchConfig, engine: Any, tenant_id: str, api_
 
 def _describe(cfg: GatewayBenchConfig, settings: Any, engine: Any, work: list[Work]) -> dict[str, Any]:
     lengths = [len(w.prompt_ids) for w in work]
-    return {**asdict(cfg), "model_name": engine.model_name, "model_dir": settings.model,
+    baseline = cfg.baseline and _commit(_checkout(cfg.baseline))
+    return {**asdict(cfg), "commit": _commit(ROOT), "baseline_commit": baseline,
+            "model_name": engine.model_name, "model_dir": settings.model,
             "database": "postgresql" if "postgresql" in settings.database_url else "sqlite",
             "prompt_tokens": {"min": min(lengths), "mean": statistics.fmean(lengths), "max": max(lengths)},
             "max_tokens": 1, "cpu_count": os.cpu_count(), "load_average": os.getloadavg(),
             "client": "bench.http_client.LeanHttpClient, HTTP/1.1 keep-alive (https-chat-httpx: httpx)",
             "uvicorn_loop": "uvloop" if importlib.util.find_spec("uvloop") else "asyncio",
             "uvicorn_http": "httptools" if importlib.util.find_spec("httptools") else "h11"}
+
+
+def _commit(root: Path) -> str | None:
+    """``git describe --always --dirty`` of a checkout (``None`` when git cannot tell)."""
+    try:
+        out = subprocess.run(["git", "-C", str(root), "describe", "--always", "--dirty"], capture_output=True,
+                             text=True, timeout=10, check=False).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out or None
 
 
 def _checkout(path: str | None) -> Path:

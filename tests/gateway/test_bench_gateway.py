@@ -35,6 +35,7 @@ def test_small_run_measures_gateway_and_engine_side_by_side(tmp_path, tiny_model
         assert "added_p50_ms" not in rows[("https-healthz", c)]
     config = report["config"]
     assert config["database"] == "sqlite" and config["max_tokens"] == 1
+    assert config["baseline_commit"] == config["commit"]  # the same checkout on both sides here
     assert 0 < config["prompt_tokens"]["min"] <= config["prompt_tokens"]["max"]
     printed = capsys.readouterr().out
     assert format_table(report["results"]) in printed and "https-chat at concurrency 1" in printed
