@@ -87,6 +87,33 @@ async def test_other_weights_are_reported(gw: Gateway, tiny_model_dir: Path, tmp
     assert "system fingerprint: DIFFERS" in res.output and "other weights" in res.output
 
 
+async def test_a_replay_on_other_engine_threads_says_so(
+    gw: Gateway, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    import pytest
+    import torch
+
+    from gateway.settings import Settings
+
+    if Settings(data_dir=tmp_path, reserved_cpus=0).engine_threads == gw.settings.engine_threads:
+        pytest.skip("one core: no other thread count to replay on")
+    h = await tenant_headers(gw)
+    body = {"model": gw.runtime.engine.model_name, "prompt": "thread counts", "max_tokens": 4,
+            "temperature": 0}
+    r = await gw.client.post("/v1/completions", headers=h, json=body | {"determinism": "fixed"})
+    assert r.status_code == 200, r.text
+    prompt_file = tmp_path / "prompt.txt"
+    prompt_file.write_text("thread counts")
+    threads = torch.get_num_threads()  # process-wide: the shared test engine must get its own back
+    try:
+        res = await _replay(gw, tiny_model_dir, r.json()["id"].removeprefix("cmpl-"), "--prompt-file",
+                            str(prompt_file), "--reserved-cpus", "0")
+    finally:
+        torch.set_num_threads(threads)
+    assert res.exit_code in (1, 4), res.output  # the tokens may or may not differ; the fingerprint does
+    assert "system fingerprint: DIFFERS" in res.output
+
+
 async def test_fast_and_unknown_records_cannot_replay(
     gw: Gateway, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
