@@ -55,9 +55,14 @@ class LoadedModel:
     eos_token_ids: tuple[int, ...]
 
 
+def physical_cores() -> int:
+    """This machine's physical cores (its logical ones where the OS does not tell)."""
+    return psutil.cpu_count(logical=False) or os.cpu_count() or 1
+
+
 def pin_threads(num_threads: int | None) -> int:
     """Pin torch's intra-op threads (small-M matmuls are erratic when threads are oversubscribed)."""
-    n = num_threads or psutil.cpu_count(logical=False) or os.cpu_count() or 1
+    n = num_threads or physical_cores()
     torch.set_num_threads(n)
     return n
 

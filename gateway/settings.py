@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import os
 from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import psutil
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -99,8 +97,9 @@ class Settings(BaseSettings):
     @property
     def engine_threads(self) -> int:
         """The engine's intra-op threads: the physical cores ``reserved_cpus`` leaves, at least one."""
-        cores = psutil.cpu_count(logical=False) or os.cpu_count() or 1
-        return max(1, cores - self.reserved_cpus)
+        from engine.setup import physical_cores  # counted as the engine counts them when unpinned
+
+        return max(1, physical_cores() - self.reserved_cpus)
 
     @property
     def database_url(self) -> str:
