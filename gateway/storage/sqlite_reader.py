@@ -9,7 +9,7 @@ from sqlalchemy import Connection, Engine, create_engine, event
 from sqlalchemy.engine import URL
 
 from gateway.storage.db import BUSY_TIMEOUT_MS
-from gateway.storage.sqlite_conn import connect_sqlite
+from gateway.storage.sqlite_conn import connect_sqlite, rollback
 from gateway.storage.sqlite_writer import LOOP_BUSY_MS
 
 
@@ -52,10 +52,7 @@ class SqliteReader:
         try:
             return fn(conn, *args)
         finally:
-            if conn.in_transaction():  # fn ran SQLAlchemy's own execution, which began its bookkeeping
-                conn.rollback()
-            if raw.in_transaction:  # type: ignore[union-attr]
-                raw.rollback()  # type: ignore[union-attr]
+            rollback(conn)  # SQLAlchemy's bookkeeping too, if fn's own execution began it
 
     def close(self) -> None:
         if self._held is not None:
