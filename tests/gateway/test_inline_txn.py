@@ -54,12 +54,14 @@ async def test_an_inline_body_waits_its_turn_behind_queued_work(sqlite_url):
         await asyncio.sleep(0.1)  # the writer is inside "first"
         assert await runner.run(_add_on, "second", inline=True) == "kvgate-sqlite-writer"
         assert await busy == "kvgate-sqlite-writer"
-        # Queued behind an inline body's pending commit, a body sees that commit.
-        result, committed = await runner.run_early(_add_on, "third", inline=True)
-        assert result == threading.current_thread().name
-        assert await runner.run(_sees, "third") is True
-        assert await committed
-        assert await token_ids(db) == {"first", "second", "third"}
+        # Queued while an inline body's commit is pending, a body runs after that commit, in a transaction
+        # of its own: it never sees the rows of an inline body whose commit then fails.
+        result, committed = await runner.run_early(_add_then_break, "lost", inline=True)
+        assert result == "lost"
+        assert await runner.run(_sees, "lost") is False
+        with pytest.raises(IntegrityError):
+            await committed
+        assert await token_ids(db) == {"first", "second"}
 
 
 async def test_a_body_queued_from_another_thread_during_an_inline_body_runs_after_its_commit(sqlite_url):
