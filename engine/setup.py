@@ -103,7 +103,9 @@ def build_model(mc: ModelConfig, state: dict, max_model_len: int, dtype: torch.d
     model = model.to_empty(device="cpu")
     model.init_rope(max_model_len)
     model.load_hf_state_dict(state)
-    return model.to(device=device, dtype=dtype).eval()
+    model = model.to(device=device, dtype=dtype).eval()
+    model.place_head()
+    return model
 
 
 def load_model(config: EngineConfig) -> LoadedModel:

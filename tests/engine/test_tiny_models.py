@@ -40,3 +40,24 @@ def test_tied_and_untied_heads_load(tmp_path):
         path = make_tiny_model_dir(tmp_path / arch, arch)
         engine = LLMEngine(EngineConfig(model=str(path), num_kv_blocks=16))
         assert (engine.loaded.model.lm_head is None) == tied
+
+
+def test_one_row_logits_match_the_batched_head(tmp_path):
+    """One sampled row goes through the transposed head copy; it agrees with the usual matmul."""
+    for arch in ("llama", "qwen2"):  # tied and untied heads
+        engine = LLMEngine(EngineConfig(model=str(make_tiny_model_dir(tmp_path / arch, arch)), num_kv_blocks=16))
+        model = engine.loaded.model
+        assert model.head_t is not None and model.head_t.shape == (64, 49152) and model.head_t.is_contiguous()
+        hidden = torch.randn(3, 64, generator=torch.Generator().manual_seed(0))
+        with torch.inference_mode():
+            batched = model.compute_logits(hidden)
+            for i in range(3):
+                one = model.compute_logits(hidden[i:i + 1])
+                assert one.dtype == torch.float32 and one.shape == (1, 49152)
+                torch.testing.assert_close(one[0], batched[i], rtol=1e-5, atol=1e-5)
+
+
+def test_half_precision_keeps_no_transposed_head(tmp_path):
+    engine = LLMEngine(EngineConfig(model=str(make_tiny_model_dir(tmp_path / "m")), dtype="bfloat16",
+                                    num_kv_blocks=16))
+    assert engine.loaded.model.head_t is None
