@@ -62,7 +62,10 @@ class BlockPool:
         self._evictable_by_ns: dict[bytes, OrderedDict[int, None]] = {}
         self.cached: dict[BlockHash, Block] = {}
         self.max_cached_per_namespace = max_cached_per_namespace
+        # Per namespace, while it holds or caches a block (then dropped: request-scoped namespaces are
+        # one per request); ``totals`` sums the lookups and tokens over every namespace ever seen.
         self.ns_stats: dict[bytes, NamespaceStats] = {}
+        self.totals = NamespaceStats()
         self.blocks_to_zero: list[int] = []  # filled when zero-on-free is on; drained by the runner
         self.zero_on_free = False
         self.num_evictions = 0
@@ -83,6 +86,25 @@ class BlockPool:
             stats = self.ns_stats[namespace] = NamespaceStats()
         return stats
 
+    def record_query(self, namespace: bytes, num_cached: int) -> None:
+        """One prefix-cache lookup (an admission) and the prompt tokens it found cached."""
+        for stats in (self.stats_for(namespace), self.totals):
+            stats.queries += 1
+            if num_cached:
+                stats.hits += 1
+                stats.cached_tokens += num_cached
+
+    def record_computed(self, namespace: bytes, num_tokens: int) -> None:
+        """Prompt tokens run through the model."""
+        self.stats_for(namespace).computed_tokens += num_tokens
+        self.totals.computed_tokens += num_tokens
+
+    def _prune(self, namespace: bytes) -> None:
+        """Forget a namespace's figures once it neither holds nor caches a block."""
+        stats = self.ns_stats.get(namespace)
+        if stats is not None and stats.blocks_held == 0 and stats.evictable_blocks == 0:
+            del self.ns_stats[namespace]
+
     def get_new_blocks(self, n: int, namespace: bytes) -> list[Block] | None:
         """Take ``n`` blocks (ref count 1) for ``namespace``, or ``None`` (and change nothing) if short."""
         if n > self.num_free_blocks:
@@ -96,6 +118,8 @@ class BlockPool:
                 block = self.blocks[block_id]
                 self._drop_evictable_ns(block)
                 self._uncache(block)
+                if block.namespace != namespace:
+                    self._prune(block.namespace)
             block.ref_cnt = 1
             block.namespace = namespace
             out.append(block)
@@ -119,13 +143,15 @@ class BlockPool:
                 raise RuntimeError(f"{block} freed more often than referenced")
             if block.ref_cnt > 0:
                 continue
-            stats = self.stats_for(block.namespace)
+            namespace = block.namespace
+            stats = self.stats_for(namespace)
             stats.blocks_held -= 1
             if block.block_hash is None:
                 self._release(block)
+                self._prune(namespace)
                 continue
             self._evictable[block.block_id] = None
-            ns_lru = self._evictable_by_ns.setdefault(block.namespace, OrderedDict())
+            ns_lru = self._evictable_by_ns.setdefault(namespace, OrderedDict())
             ns_lru[block.block_id] = None
             stats.evictable_blocks += 1
             cap = self.max_cached_per_namespace
@@ -159,7 +185,9 @@ class BlockPool:
         del self._evictable[block.block_id]
         self._drop_evictable_ns(block)
         self._uncache(block)
+        namespace = block.namespace
         self._release(block)
+        self._prune(namespace)
 
     def _drop_evictable_ns(self, block: Block) -> None:
         ns_lru = self._evictable_by_ns[block.namespace]

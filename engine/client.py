@@ -47,7 +47,7 @@ class AsyncLLMEngine:
         self._streams: dict[str, _Stream] = {}
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
-        self._stats = self.engine.stats()
+        self._stats = self.engine.stats(namespaces=False)
         self.error: BaseException | None = None
 
     @property
@@ -70,7 +70,8 @@ class AsyncLLMEngine:
         self._thread = None
 
     def stats(self) -> EngineStats:
-        """The latest snapshot, refreshed by the loop thread after every step."""
+        """The latest snapshot, refreshed by the loop thread after every step; without the per-namespace
+        breakdown (``engine.stats()`` has it, from the loop thread)."""
         return self._stats
 
     async def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
@@ -86,9 +87,9 @@ class AsyncLLMEngine:
             raise RuntimeError("engine loop is not running (call start())")
         request_id = request_id or uuid.uuid4().hex
         stream = _Stream(asyncio.get_running_loop())
-        accepted: asyncio.Future = stream.loop.create_future()
-        self._commands.put(("add", request_id, prompt, params, cache_namespace, priority, stream, accepted))
-        await accepted  # raises the engine's validation error, if any
+        # The engine's validation error, if any, comes back as the stream's first item: no separate
+        # acknowledgement (one wake-up of this loop less per request, in the middle of its first step).
+        self._commands.put(("add", request_id, prompt, params, cache_namespace, priority, stream))
         finished = False
         try:
             while True:
@@ -110,22 +111,21 @@ class AsyncLLMEngine:
     # ---- loop thread ----------------------------------------------------------------------------
     def _handle(self, cmd: tuple) -> None:
         if cmd[0] == "add":
-            _, request_id, prompt, params, namespace, priority, stream, accepted = cmd
+            _, request_id, prompt, params, namespace, priority, stream = cmd
             try:
                 self.engine.add_request(prompt, params, request_id, cache_namespace=namespace,
                                         priority=priority)
             except Exception as e:  # validation errors go back to the caller
-                stream.loop.call_soon_threadsafe(_set_exception, accepted, e)
+                stream.put(e)
                 return
             self._streams[request_id] = stream
-            stream.loop.call_soon_threadsafe(_set_result, accepted, None)
         elif cmd[0] == "abort":
             out = self.engine.abort(cmd[1])
             stream = self._streams.pop(cmd[1], None)
             if stream is not None and out is not None:
                 stream.put(out)
             if out is not None:  # blocks were freed: an idle engine takes no step that would refresh it
-                self._stats = self.engine.stats()
+                self._stats = self.engine.stats(namespaces=False)
 
     def _drain(self, block: bool) -> None:
         try:
@@ -147,7 +147,7 @@ class AsyncLLMEngine:
                         stream.put(out)
                         if out.finished:
                             del self._streams[out.request_id]
-                self._stats = self.engine.stats()
+                self._stats = self.engine.stats(namespaces=False)
         except BaseException as e:  # noqa: BLE001 - report a dead loop to every waiter
             logger.exception("engine loop died")
             self.error = e
@@ -158,12 +158,3 @@ class AsyncLLMEngine:
                 stream.put(RuntimeError(f"request {request_id} ended: {err}"))
             self._streams.clear()
 
-
-def _set_result(fut: asyncio.Future, value) -> None:
-    if not fut.done():
-        fut.set_result(value)
-
-
-def _set_exception(fut: asyncio.Future, exc: BaseException) -> None:
-    if not fut.done():
-        fut.set_exception(exc)

@@ -169,7 +169,7 @@ class LLMEngine:
             if seq.num_computed_tokens < seq.prompt_len:
                 k = min(n, seq.prompt_len - seq.num_computed_tokens)
                 seq.num_prefill_computed += k
-                self.kv.pool.stats_for(seq.cache_namespace).computed_tokens += k
+                self.kv.pool.record_computed(seq.cache_namespace, k)
             seq.num_computed_tokens += n
             self.kv.cache_full_blocks(seq)
         for seq, token, lp in zip(seqs, tokens, logprobs, strict=True):
@@ -210,6 +210,7 @@ class LLMEngine:
                     final[out.request_id] = out
         return [final[i] for i in ids]
 
-    def stats(self) -> EngineStats:
-        """A snapshot of queue, KV and throughput figures."""
-        return self.stats_tracker.snapshot(self.scheduler, self.kv)
+    def stats(self, *, namespaces: bool = True) -> EngineStats:
+        """A snapshot of queue, KV and throughput figures; ``namespaces``: with the per-namespace
+        breakdown (namespaces that hold or cache KV blocks now)."""
+        return self.stats_tracker.snapshot(self.scheduler, self.kv, namespaces=namespaces)

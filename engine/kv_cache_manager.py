@@ -85,11 +85,7 @@ class KVCacheManager:
 
     def record_prefill(self, seq: Sequence, num_cached: int) -> None:
         """Account one admission's lookup against the sequence's namespace."""
-        stats = self.pool.stats_for(seq.cache_namespace)
-        stats.queries += 1
-        if num_cached:
-            stats.hits += 1
-            stats.cached_tokens += num_cached
+        self.pool.record_query(seq.cache_namespace, num_cached)
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Register the sequence's computed full blocks in the prefix cache."""

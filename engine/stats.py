@@ -26,34 +26,42 @@ class EngineStats:
 
 
 class StatsTracker:
+    """Step figures over a sliding window, with running sums: a snapshot after every step costs the same
+    however many steps the window holds (hundreds per second on a small model)."""
+
     def __init__(self, window_s: float = 10.0) -> None:
         self.window_s = window_s
         self.num_steps = 0
         self._recent: deque[tuple[float, int, int, float]] = deque()  # (t, batched, generated, secs)
+        self._batched = 0    # sums over _recent
+        self._generated = 0
 
     def record_step(self, num_batched: int, num_generated: int, seconds: float) -> None:
         self.num_steps += 1
         now = time.monotonic()
         self._recent.append((now, num_batched, num_generated, seconds))
-        while self._recent and now - self._recent[0][0] > self.window_s:
-            self._recent.popleft()
+        self._batched += num_batched
+        self._generated += num_generated
+        while now - self._recent[0][0] > self.window_s:
+            _, batched, generated, _ = self._recent.popleft()
+            self._batched -= batched
+            self._generated -= generated
 
-    def snapshot(self, scheduler, kv) -> EngineStats:
+    def snapshot(self, scheduler, kv, *, namespaces: bool = True) -> EngineStats:
+        """Figures now; ``namespaces=False`` leaves the per-namespace breakdown out (it costs one dict
+        per namespace holding or caching KV blocks)."""
         span = (self._recent[-1][0] - self._recent[0][0] + self._recent[0][3]) if self._recent else 0.0
-        gen = sum(r[2] for r in self._recent)
-        batched = sum(r[1] for r in self._recent)
         ns = {k: {"blocks_held": v.blocks_held, "evictable_blocks": v.evictable_blocks, "queries": v.queries,
                   "hits": v.hits, "cached_tokens": v.cached_tokens, "computed_tokens": v.computed_tokens}
-              for k, v in kv.namespace_stats().items()}
+              for k, v in kv.namespace_stats().items()} if namespaces else {}
         pool = kv.pool
+        totals = pool.totals
         return EngineStats(
             num_running=len(scheduler.running), num_waiting=len(scheduler.waiting),
             num_kv_blocks_total=pool.num_blocks, num_kv_blocks_used=pool.num_used_blocks,
             num_kv_blocks_cached=len(pool.cached), num_preemptions=scheduler.num_preemptions,
-            prefix_cache_queries=sum(v["queries"] for v in ns.values()),
-            prefix_cache_hits=sum(v["hits"] for v in ns.values()),
-            prefix_cache_hit_tokens=sum(v["cached_tokens"] for v in ns.values()),
-            prompt_tokens_computed=sum(v["computed_tokens"] for v in ns.values()),
+            prefix_cache_queries=totals.queries, prefix_cache_hits=totals.hits,
+            prefix_cache_hit_tokens=totals.cached_tokens, prompt_tokens_computed=totals.computed_tokens,
             num_steps=self.num_steps,
-            tokens_per_second=gen / span if span > 0 else 0.0,
-            batched_tokens_per_second=batched / span if span > 0 else 0.0, namespaces=ns)
+            tokens_per_second=self._generated / span if span > 0 else 0.0,
+            batched_tokens_per_second=self._batched / span if span > 0 else 0.0, namespaces=ns)

@@ -139,7 +139,8 @@ def test_forced_hash_collisions_never_serve_foreign_kv(tiny_engine_factory, cach
     assert [o.num_cached_tokens for o in ours] == expected_cached
     check_outputs_equal(ours, _one_by_one(cache_off, prompts))
     check_outputs_equal(_run(engine, prompts, spaces), _run(cache_off, prompts))
-    assert engine.stats().namespaces[b"b"]["hits"] == 0
+    # b's blocks were never cached (their hashes were taken), so freeing them dropped b's figures.
+    assert engine.stats().namespaces.get(b"b", {"hits": 0})["hits"] == 0
 
 
 def test_n_samples_share_the_prompt_blocks(tiny_engine_factory, cache_off):

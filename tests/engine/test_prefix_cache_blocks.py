@@ -88,7 +88,7 @@ def test_namespace_cap_keeps_a_noisy_namespace_from_flushing_another(cap, victim
         assert ns[b"b"].evictable_blocks == cap and ns[b"a"].evictable_blocks == 2
         assert evictable(kv) == [1, 0, 5, 4]  # a's two, then b's last two (tail first)
     else:
-        assert ns[b"a"].evictable_blocks == 0  # the uncapped flood evicted a's blocks
+        assert b"a" not in ns  # the uncapped flood evicted a's blocks: nothing of a's is left to count
     assert prefill(kv, make_seq(9, list(range(9)), b"a")) == victim_cached
 
 
@@ -126,3 +126,18 @@ def test_zero_on_free_clears_unhashed_blocks_and_keeps_cached_ones(tiny_engine_f
     assert nonzero(0) and nonzero(1)  # cached: kept
     assert nonzero(2) is not zero
     assert not any(nonzero(i) for i in range(3, 8))
+
+
+def test_namespace_figures_last_while_the_namespace_holds_blocks_and_totals_forever():
+    """Request-scoped namespaces are one per request: their figures go when their last block does,
+    so the table stays bounded by the pool, while the totals keep counting."""
+    kv = make_kv(8)
+    for i in range(50):
+        seq = make_seq(i, [100 * i + t for t in range(2 * BS + 1)], f"r:{i}".encode())
+        prefill(kv, seq)
+        kv.free(seq)
+        assert len(kv.namespace_stats()) <= kv.pool.num_blocks
+    assert kv.pool.totals.queries == 50 and kv.pool.totals.hits == 0
+    live = kv.namespace_stats()
+    assert live and all(s.evictable_blocks > 0 or s.blocks_held > 0 for s in live.values())
+    assert sum(s.evictable_blocks for s in live.values()) == len(evictable(kv))

@@ -100,3 +100,18 @@ def test_timing_metrics(engine):
     assert m.queue_time is not None and m.queue_time >= 0
     assert m.time_to_first_token >= m.queue_time
     assert m.mean_time_per_output_token is not None and m.mean_time_per_output_token >= 0
+
+
+def test_stats_window_sums_match_a_recount(monkeypatch):
+    """The tracker keeps running sums over its window; they must equal a recount of what is in it."""
+    import engine.stats as stats_mod
+
+    clock = [0.0]
+    monkeypatch.setattr(stats_mod.time, "monotonic", lambda: clock[0])
+    tracker = stats_mod.StatsTracker(window_s=1.0)
+    for i in range(300):
+        clock[0] += 0.01 * (1 + i % 7)
+        tracker.record_step(num_batched=i % 13 + 1, num_generated=i % 5, seconds=0.005)
+        recent = list(tracker._recent)
+        assert recent[-1][0] - recent[0][0] <= 1.0
+        assert tracker._batched == sum(r[1] for r in recent) and tracker._generated == sum(r[2] for r in recent)
