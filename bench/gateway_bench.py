@@ -3,6 +3,8 @@
 Every peer runs the same chat requests (``max_tokens=1``, greedy) closed-loop at each concurrency:
 
     engine              AsyncLLMEngine.generate() in this process, fed the token ids the gateway computes
+    engine-paced        the same, but idle between requests as long as https-chat leaves the engine idle
+                        (its p50 minus the engine's): the engine at the gateway's pace
     https-chat          POST /v1/chat/completions through `kvgate serve`: TLS, key auth, policy, quota, audit
     https-chat-httpx    the same request sent with httpx instead of the lean client: the client's own share
     https-chat-nosync   the same with KVGATE_DURABLE_COMMITS=false: no wait for the disk at admission
@@ -14,7 +16,11 @@ Every peer runs the same chat requests (``max_tokens=1``, greedy) closed-loop at
     https-chat-baseline with --baseline: https-chat served by another checkout (an earlier commit), so a
                         change is measured against what it changes in the same interleaved rounds
 
-Added latency is a gateway percentile minus the engine percentile at the same concurrency. Peers are
+Added latency is a gateway percentile minus the engine percentile at the same concurrency; "added at
+pace" is the same against ``engine-paced``. A closed-loop client through the gateway comes back later,
+so the engine idles a few milliseconds between steps, and on this machine a step after such a pause runs
+slower than one right after another (colder caches): "added" counts that slowdown as the gateway's cost,
+"added at pace" does not. Peers are
 interleaved in rounds, so load from anything else on the machine hits them alike. CPU per request is
 the serving process's (the gateway's, or this one's for the engine) and this client's, over the same runs.
 HTTP peers use ``bench.http_client.LeanHttpClient`` (keep-alive, one write per request): the client runs
@@ -45,13 +51,13 @@ from bench.gateway_peers import (
     httpx_chat_call,
     make_work,
 )
-from bench.gateway_rounds import measure
+from bench.gateway_rounds import PACED_TO, measure
 from bench.gateway_servers import ROOT, GatewayServer, ServerVariant, create_tenant_key
 from bench.http_client import LeanHttpClient
 from gateway.cli.serve_cmds import freeze_startup_heap, unfreeze_heap
 
-PEERS = ("engine", "https-chat", "https-chat-httpx", "https-chat-nosync", "https-chat-noaudit", "http-chat",
-         "https-models", "https-healthz", "disk-fsync")
+PEERS = ("engine", "engine-paced", "https-chat", "https-chat-httpx", "https-chat-nosync", "https-chat-noaudit",
+         "http-chat", "https-models", "https-healthz", "disk-fsync")
 TARGET_ADDED_P50_MS, TARGET_ADDED_P99_MS = 3.0, 15.0
 _VARIANTS = {"https": ServerVariant("https"), "https-nosync": ServerVariant("https-nosync", durable=False),
              "https-noaudit": ServerVariant("https-noaudit", audit=False),
@@ -85,7 +91,9 @@ def _peers(names: tuple[str, ...], engine: Any, namespace: bytes, clients: dict[
            servers: dict[str, GatewayServer], data_dir: Path) -> list[Peer]:
     peers = [Peer("engine", "engine", engine_call(engine, namespace))]
     for name in names:
-        if name == "disk-fsync":
+        if name == "engine-paced":
+            peers.append(Peer(name, "engine-paced", engine_call(engine, namespace)))
+        elif name == "disk-fsync":
             peers.append(Peer(name, "probe", fsync_call(data_dir / "fsync-probe")))
         elif name != "engine":
             variant = _PEER_VARIANT[name]
@@ -219,6 +227,8 @@ def validate(cfg: GatewayBenchConfig) -> None:
     unknown = set(cfg.peers) - set(PEERS)
     if unknown:
         raise ValueError(f"unknown peers {sorted(unknown)}; known: {PEERS}")
+    if "engine-paced" in cfg.peers and PACED_TO not in cfg.peers:
+        raise ValueError(f"engine-paced keeps the pace of {PACED_TO}: run both")
     _checkout(cfg.baseline)
 
 
@@ -263,5 +273,8 @@ def _print_summary(rows: list[dict[str, Any]], out: str | None) -> None:
         print(f"https-chat at concurrency {row['concurrency']}: added p50 {row['added_p50_ms']:.2f} ms, "
               f"p99 {row['added_p99_ms']:.2f} ms (target {TARGET_ADDED_P50_MS} / {TARGET_ADDED_P99_MS}): "
               f"{'met' if row['meets_target'] else 'MISSED'}")
+        if "added_paced_p50_ms" in row:
+            print(f"  against the engine at the gateway's pace (engine-paced): added p50 "
+                  f"{row['added_paced_p50_ms']:.2f} ms, p99 {row['added_paced_p99_ms']:.2f} ms")
     if out:
         print(f"JSON: {out}")

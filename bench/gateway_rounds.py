@@ -14,8 +14,13 @@ from bench.gateway_peers import Call, Peer, Work
 from bench.workload import percentile
 
 
-async def closed_loop(call: Call, work: list[Work], concurrency: int) -> tuple[list[float], float]:
-    """``concurrency`` workers each send their next request as soon as the last one answered.
+PACED_TO = "https-chat"  # whose cadence the engine-paced peer keeps
+
+
+async def closed_loop(call: Call, work: list[Work], concurrency: int,
+                      gap_s: float = 0.0) -> tuple[list[float], float]:
+    """``concurrency`` workers each send their next request as soon as the last one answered, or
+    ``gap_s`` after it (untimed).
 
     Returns:
         Per-request latencies (s) and the wall time (s).
@@ -27,6 +32,8 @@ async def closed_loop(call: Call, work: list[Work], concurrency: int) -> tuple[l
             t0 = time.perf_counter()
             await call(w)
             latencies.append(time.perf_counter() - t0)
+            if gap_s:
+                await asyncio.sleep(gap_s)
 
     t0 = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
@@ -44,12 +51,15 @@ class _Tally:
     wall_s: float = 0.0
     server_cpu_s: float = 0.0
     client_cpu_s: float = 0.0
+    gaps_s: list[float] | None = None  # engine-paced: the idle gap of each round
 
-    async def run(self, peer: Peer, work: list[Work], concurrency: int) -> None:
+    async def run(self, peer: Peer, work: list[Work], concurrency: int, gap_s: float = 0.0) -> None:
         server0, client0 = _cpu_s(peer.pid), _cpu_s(None)
-        latencies, wall = await closed_loop(peer.call, work, concurrency)
+        latencies, wall = await closed_loop(peer.call, work, concurrency, gap_s)
         self.latencies += latencies
         self.wall_s += wall
+        if peer.kind == "engine-paced":
+            self.gaps_s = (self.gaps_s or []) + [gap_s]
         if peer.pid is not None:
             self.server_cpu_s += _cpu_s(peer.pid) - server0
             self.client_cpu_s += _cpu_s(None) - client0
@@ -62,23 +72,50 @@ class _Tally:
                 "p50_ms": percentile(ms, 50), "p90_ms": percentile(ms, 90), "p99_ms": percentile(ms, 99),
                 "mean_ms": statistics.fmean(ms), "req_per_s": n / self.wall_s,
                 "server_cpu_ms_per_req": self.server_cpu_s * 1e3 / n,
-                "client_cpu_ms_per_req": self.client_cpu_s * 1e3 / n if peer.pid is not None else None}
+                "client_cpu_ms_per_req": self.client_cpu_s * 1e3 / n if peer.pid is not None else None,
+                **({"gap_ms": statistics.fmean(self.gaps_s) * 1e3} if self.gaps_s else {})}
+
+
+def _gap(engine: list[float], paced_to: list[float]) -> float:
+    """The idle time the engine sees between a closed-loop client's requests through the gateway, less
+    what it sees when called directly: the gateway's p50 minus the engine's."""
+    return max(0.0, statistics.median(paced_to) - statistics.median(engine))
 
 
 async def measure(peers: list[Peer], work: list[Work], concurrency: int, num_rounds: int,
                   num_warmup: int) -> list[dict[str, Any]]:
-    """Warm every peer up, then run ``work`` split into rounds, rotating which peer goes first."""
-    for peer in peers:
-        await closed_loop(peer.call, work[:num_warmup], concurrency)
+    """Warm every peer up, then run ``work`` split into rounds, rotating which peer goes first.
+
+    An ``engine-paced`` peer calls the engine as ``engine`` does but leaves it idle between requests for
+    as long as the gateway's extra latency leaves it idle (``_gap``, from what was measured so far): a
+    closed-loop client through the gateway comes back less often, and on this machine an engine step
+    after a few idle milliseconds runs slower (colder caches) than one right after another.
+    """
+    names = [p.name for p in peers]
+    engine_i = next(i for i, p in enumerate(peers) if p.kind == "engine")
+    paced_to = names.index(PACED_TO) if PACED_TO in names else None
+    warm: list[list[float]] = [[] for _ in peers]
+    for i in sorted(range(len(peers)), key=lambda i: peers[i].kind == "engine-paced"):  # paced ones last
+        gap = _gap(warm[engine_i], warm[paced_to]) if peers[i].kind == "engine-paced" else 0.0
+        warm[i] = (await closed_loop(peers[i].call, work[:num_warmup], concurrency, gap))[0]
     tallies = [_Tally([]) for _ in peers]
     for r in range(num_rounds):
         k = r % len(peers)
         for i in [*range(k, len(peers)), *range(k)]:
-            await tallies[i].run(peers[i], work[r::num_rounds], concurrency)
+            gap = 0.0
+            if peers[i].kind == "engine-paced":
+                seen = tallies[engine_i].latencies and tallies[paced_to].latencies
+                gap = _gap(*((tallies[engine_i].latencies, tallies[paced_to].latencies) if seen
+                             else (warm[engine_i], warm[paced_to])))
+            await tallies[i].run(peers[i], work[r::num_rounds], concurrency, gap)
     rows = [t.row(p, concurrency) for p, t in zip(peers, tallies, strict=True)]
-    base = next(r for r in rows if r["kind"] == "engine")
+    base = rows[engine_i]
+    paced = next((r for r in rows if r["kind"] == "engine-paced"), None)
     for row in rows:
         if row["kind"] == "chat":
             row["added_p50_ms"] = row["p50_ms"] - base["p50_ms"]
             row["added_p99_ms"] = row["p99_ms"] - base["p99_ms"]
+            if paced is not None:
+                row["added_paced_p50_ms"] = row["p50_ms"] - paced["p50_ms"]
+                row["added_paced_p99_ms"] = row["p99_ms"] - paced["p99_ms"]
     return rows

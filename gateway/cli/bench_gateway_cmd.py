@@ -9,8 +9,8 @@ import typer
 from gateway.cli.bench_cmds import bench_app
 
 # bench.gateway_bench.PEERS, spelled out so `kvgate --help` need not import the harness
-_ALL_PEERS = ",".join(("engine", "https-chat", "https-chat-httpx", "https-chat-nosync", "https-chat-noaudit",
-                       "http-chat", "https-models", "https-healthz", "disk-fsync"))
+_ALL_PEERS = ",".join(("engine", "engine-paced", "https-chat", "https-chat-httpx", "https-chat-nosync",
+                       "https-chat-noaudit", "http-chat", "https-models", "https-healthz", "disk-fsync"))
 _ModelOpt = typer.Option(help="tiny (random weights, real tokenizer), default, or a model path.")
 
 

@@ -11,14 +11,15 @@ from bench.gateway_servers import ROOT
 
 def test_small_run_measures_gateway_and_engine_side_by_side(tmp_path, tiny_model_dir, capsys):
     cfg = GatewayBenchConfig(num_requests=6, num_warmup=2, concurrency=(1, 2), num_rounds=2,
-                             peers=("https-chat", "https-chat-httpx", "https-healthz", "disk-fsync"),
+                             peers=("engine-paced", "https-chat", "https-chat-httpx", "https-healthz", "disk-fsync"),
                              model=str(tiny_model_dir), baseline=str(ROOT))  # this checkout, served twice
     out = tmp_path / "gateway.json"
     report = run_gateway_bench(cfg, str(out), data_dir=tmp_path / "data")
 
     assert json.loads(out.read_text()) == json.loads(json.dumps(report))
     rows = {(r["peer"], r["concurrency"]): r for r in report["results"]}
-    peers = ("engine", "https-chat", "https-chat-httpx", "https-healthz", "disk-fsync", "https-chat-baseline")
+    peers = ("engine", "engine-paced", "https-chat", "https-chat-httpx", "https-healthz", "disk-fsync",
+             "https-chat-baseline")
     assert set(rows) == {(p, c) for p in peers for c in (1, 2)}
     for row in rows.values():
         assert row["requests"] == 6 and 0 < row["p50_ms"] <= row["p99_ms"] and row["req_per_s"] > 0
@@ -33,6 +34,9 @@ def test_small_run_measures_gateway_and_engine_side_by_side(tmp_path, tiny_model
         # CPU clocks tick every 10 ms, so six requests may read 0: only the shape is checked here.
         assert chat["client_cpu_ms_per_req"] >= 0 and engine["client_cpu_ms_per_req"] is None
         assert "added_p50_ms" not in rows[("https-healthz", c)]
+        paced = rows[("engine-paced", c)]  # the engine, idle between requests as https-chat leaves it
+        assert paced["kind"] == "engine-paced" and paced["gap_ms"] >= 0 and "gap_ms" not in engine
+        assert chat["added_paced_p50_ms"] == pytest.approx(chat["p50_ms"] - paced["p50_ms"])
     config = report["config"]
     assert config["database"] == "sqlite" and config["max_tokens"] == 1
     assert config["baseline_commit"] == config["commit"]  # the same checkout on both sides here
@@ -45,6 +49,9 @@ def test_small_run_measures_gateway_and_engine_side_by_side(tmp_path, tiny_model
 def test_unknown_peer_is_refused_before_anything_starts(tmp_path):
     with pytest.raises(ValueError, match="unknown peers"):
         run_gateway_bench(GatewayBenchConfig(peers=("nginx",)), None, data_dir=tmp_path)
+    assert not any(tmp_path.iterdir())
+    with pytest.raises(ValueError, match="keeps the pace of https-chat"):
+        run_gateway_bench(GatewayBenchConfig(peers=("engine-paced", "https-healthz")), None, data_dir=tmp_path)
     assert not any(tmp_path.iterdir())
     with pytest.raises(ValueError, match="not a kvgate checkout"):
         run_gateway_bench(GatewayBenchConfig(baseline=str(tmp_path)), None, data_dir=tmp_path)
@@ -64,3 +71,28 @@ def test_the_cli_names_every_peer_the_harness_runs():
     from gateway.cli.bench_gateway_cmd import _ALL_PEERS
 
     assert _ALL_PEERS.split(",") == list(PEERS)  # spelled out twice so `kvgate --help` stays light
+
+
+def test_paced_engine_idles_for_the_gateways_extra_latency():
+    import asyncio
+
+    from bench.gateway_peers import Peer, Work
+    from bench.gateway_rounds import measure
+
+    calls: list[tuple[str, float]] = []
+
+    def peer(name: str, kind: str, latency_s: float) -> Peer:
+        async def call(_: Work) -> None:
+            calls.append((name, asyncio.get_running_loop().time()))
+            await asyncio.sleep(latency_s)
+        return Peer(name, kind, call)
+
+    peers = [peer("engine", "engine", 0.002), peer("https-chat", "chat", 0.012),
+             peer("engine-paced", "engine-paced", 0.002)]
+    work = [Work(b"", [1]) for _ in range(12)]
+    rows = {r["peer"]: r for r in asyncio.run(measure(peers, work, 1, num_rounds=2, num_warmup=2))}
+    assert 8 <= rows["engine-paced"]["gap_ms"] <= 12  # ~ 12 ms - 2 ms
+    starts = [t for name, t in calls if name == "engine-paced"]
+    assert min(b - a for a, b in zip(starts[2:], starts[3:])) >= 0.009  # requests spaced by latency + gap
+    assert rows["https-chat"]["added_paced_p50_ms"] == pytest.approx(
+        rows["https-chat"]["p50_ms"] - rows["engine-paced"]["p50_ms"])
