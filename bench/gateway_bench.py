@@ -56,8 +56,8 @@ from bench.gateway_servers import ROOT, GatewayServer, ServerVariant, create_ten
 from bench.http_client import LeanHttpClient
 from gateway.cli.serve_cmds import freeze_startup_heap, unfreeze_heap
 
-PEERS = ("engine", "engine-paced", "https-chat", "https-chat-httpx", "https-chat-nosync", "https-chat-noaudit",
-         "http-chat", "https-models", "https-healthz", "disk-fsync")
+PEERS = ("engine", "engine-paced", "https-chat", "https-chat-httpx", "https-chat-nosync",
+         "https-chat-noaudit", "http-chat", "https-models", "https-healthz", "disk-fsync")
 TARGET_ADDED_P50_MS, TARGET_ADDED_P99_MS = 3.0, 15.0
 _VARIANTS = {"https": ServerVariant("https"), "https-nosync": ServerVariant("https-nosync", durable=False),
              "https-noaudit": ServerVariant("https-noaudit", audit=False),

@@ -13,7 +13,6 @@ import psutil
 from bench.gateway_peers import Call, Peer, Work
 from bench.workload import percentile
 
-
 PACED_TO = "https-chat"  # whose cadence the engine-paced peer keeps
 
 

@@ -114,4 +114,5 @@ def test_stats_window_sums_match_a_recount(monkeypatch):
         tracker.record_step(num_batched=i % 13 + 1, num_generated=i % 5, seconds=0.005)
         recent = list(tracker._recent)
         assert recent[-1][0] - recent[0][0] <= 1.0
-        assert tracker._batched == sum(r[1] for r in recent) and tracker._generated == sum(r[2] for r in recent)
+        assert tracker._batched == sum(r[1] for r in recent)
+        assert tracker._generated == sum(r[2] for r in recent)

@@ -45,7 +45,8 @@ def test_tied_and_untied_heads_load(tmp_path):
 def test_one_row_logits_match_the_batched_head(tmp_path):
     """One sampled row goes through the transposed head copy; it agrees with the usual matmul."""
     for arch in ("llama", "qwen2"):  # tied and untied heads
-        engine = LLMEngine(EngineConfig(model=str(make_tiny_model_dir(tmp_path / arch, arch)), num_kv_blocks=16))
+        path = make_tiny_model_dir(tmp_path / arch, arch)
+        engine = LLMEngine(EngineConfig(model=str(path), num_kv_blocks=16))
         model = engine.loaded.model
         assert model.head_t is not None and model.head_t.shape == (64, 49152) and model.head_t.is_contiguous()
         hidden = torch.randn(3, 64, generator=torch.Generator().manual_seed(0))

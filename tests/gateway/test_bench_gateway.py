@@ -11,7 +11,8 @@ from bench.gateway_servers import ROOT
 
 def test_small_run_measures_gateway_and_engine_side_by_side(tmp_path, tiny_model_dir, capsys):
     cfg = GatewayBenchConfig(num_requests=6, num_warmup=2, concurrency=(1, 2), num_rounds=2,
-                             peers=("engine-paced", "https-chat", "https-chat-httpx", "https-healthz", "disk-fsync"),
+                             peers=("engine-paced", "https-chat", "https-chat-httpx", "https-healthz",
+                                    "disk-fsync"),
                              model=str(tiny_model_dir), baseline=str(ROOT))  # this checkout, served twice
     out = tmp_path / "gateway.json"
     report = run_gateway_bench(cfg, str(out), data_dir=tmp_path / "data")
@@ -51,7 +52,8 @@ def test_unknown_peer_is_refused_before_anything_starts(tmp_path):
         run_gateway_bench(GatewayBenchConfig(peers=("nginx",)), None, data_dir=tmp_path)
     assert not any(tmp_path.iterdir())
     with pytest.raises(ValueError, match="keeps the pace of https-chat"):
-        run_gateway_bench(GatewayBenchConfig(peers=("engine-paced", "https-healthz")), None, data_dir=tmp_path)
+        run_gateway_bench(GatewayBenchConfig(peers=("engine-paced", "https-healthz")), None,
+                          data_dir=tmp_path)
     assert not any(tmp_path.iterdir())
     with pytest.raises(ValueError, match="not a kvgate checkout"):
         run_gateway_bench(GatewayBenchConfig(baseline=str(tmp_path)), None, data_dir=tmp_path)
@@ -93,6 +95,7 @@ def test_paced_engine_idles_for_the_gateways_extra_latency():
     rows = {r["peer"]: r for r in asyncio.run(measure(peers, work, 1, num_rounds=2, num_warmup=2))}
     assert 8 <= rows["engine-paced"]["gap_ms"] <= 12  # ~ 12 ms - 2 ms
     starts = [t for name, t in calls if name == "engine-paced"]
-    assert min(b - a for a, b in zip(starts[2:], starts[3:])) >= 0.009  # requests spaced by latency + gap
+    spacing = [b - a for a, b in zip(starts[2:], starts[3:], strict=False)]
+    assert min(spacing) >= 0.009  # requests spaced by latency + gap
     assert rows["https-chat"]["added_paced_p50_ms"] == pytest.approx(
         rows["https-chat"]["p50_ms"] - rows["engine-paced"]["p50_ms"])
