@@ -81,9 +81,10 @@ def _drive(engine, prompts: list[list[int]], namespaces: list[bytes], params,
 
 
 def _cache_counters(engine) -> dict[str, int]:
-    ns = {k: v for k, v in engine.stats().namespaces.items() if k != _WARMUP_NAMESPACE}
-    return {key: sum(v[key] for v in ns.values())
-            for key in ("queries", "hits", "cached_tokens", "computed_tokens")}
+    """The engine's prefix-cache totals so far (per-namespace figures go with a namespace's last block)."""
+    s = engine.stats(namespaces=False)
+    return {"queries": s.prefix_cache_queries, "hits": s.prefix_cache_hits,
+            "cached_tokens": s.prefix_cache_hit_tokens, "computed_tokens": s.prompt_tokens_computed}
 
 
 def run_config(config: str, spec: PrefixBenchSpec) -> dict:
@@ -97,9 +98,10 @@ def run_config(config: str, spec: PrefixBenchSpec) -> dict:
     system, questions, warmup = prefix_workload(engine.tokenizer, spec)
     params = SamplingParams(temperature=0, max_tokens=spec.max_tokens, ignore_eos=True)
     _drive(engine, [warmup], [_WARMUP_NAMESPACE], params, 1)
+    before = _cache_counters(engine)
     outs, wall = _drive(engine, [system + q for q in questions], namespaces_for(config, spec), params,
                         spec.concurrency)
-    counters = _cache_counters(engine)
+    counters = {k: v - before[k] for k, v in _cache_counters(engine).items()}
     ttfts = [o.metrics.time_to_first_token for o in outs]
     prompt_tokens = sum(len(o.prompt_token_ids) for o in outs)
     generated = sum(len(o.token_ids) for o in outs)
