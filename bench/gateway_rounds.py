@@ -102,10 +102,9 @@ async def measure(peers: list[Peer], work: list[Work], concurrency: int, num_rou
         k = r % len(peers)
         for i in [*range(k, len(peers)), *range(k)]:
             gap = 0.0
-            if peers[i].kind == "engine-paced":
-                seen = tallies[engine_i].latencies and tallies[paced_to].latencies
-                gap = _gap(*((tallies[engine_i].latencies, tallies[paced_to].latencies) if seen
-                             else (warm[engine_i], warm[paced_to])))
+            if peers[i].kind == "engine-paced":  # from the rounds so far, or the warm-up before any
+                gap = _gap(tallies[engine_i].latencies or warm[engine_i],
+                           tallies[paced_to].latencies or warm[paced_to])
             await tallies[i].run(peers[i], work[r::num_rounds], concurrency, gap)
     rows = [t.row(p, concurrency) for p, t in zip(peers, tallies, strict=True)]
     base = rows[engine_i]
