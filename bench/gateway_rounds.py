@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import psutil
@@ -50,7 +50,7 @@ class _Tally:
     wall_s: float = 0.0
     server_cpu_s: float = 0.0
     client_cpu_s: float = 0.0
-    gaps_s: list[float] | None = None  # engine-paced: the idle gap of each round
+    gaps_s: list[float] = field(default_factory=list)  # engine-paced: the idle gap of each round
 
     async def run(self, peer: Peer, work: list[Work], concurrency: int, gap_s: float = 0.0) -> None:
         server0, client0 = _cpu_s(peer.pid), _cpu_s(None)
@@ -58,7 +58,7 @@ class _Tally:
         self.latencies += latencies
         self.wall_s += wall
         if peer.kind == "engine-paced":
-            self.gaps_s = (self.gaps_s or []) + [gap_s]
+            self.gaps_s.append(gap_s)
         if peer.pid is not None:
             self.server_cpu_s += _cpu_s(peer.pid) - server0
             self.client_cpu_s += _cpu_s(None) - client0
