@@ -1,6 +1,8 @@
 """`kvgate bench gateway`: the gateway's added latency over calling the engine in-process, in one run.
 
-Every peer runs the same chat requests (``max_tokens=1``, greedy) closed-loop at each concurrency:
+Every peer runs the same chat requests (``max_tokens=1``, greedy) closed-loop at each concurrency, then
+open-loop at each ``rates`` level (seeded Poisson arrivals, the same for every peer, each request timed
+from when it was due):
 
     engine              AsyncLLMEngine.generate() in this process, fed the token ids the gateway computes
     engine-paced        the same, but idle between requests as long as https-chat leaves the engine idle
@@ -16,11 +18,13 @@ Every peer runs the same chat requests (``max_tokens=1``, greedy) closed-loop at
     https-chat-baseline with --baseline: https-chat served by another checkout (an earlier commit), so a
                         change is measured against what it changes in the same interleaved rounds
 
-Added latency is a gateway percentile minus the engine percentile at the same concurrency; "added at
+Added latency is a gateway percentile minus the engine percentile at the same load; "added at
 pace" is the same against ``engine-paced``. A closed-loop client through the gateway comes back later,
 so the engine idles a few milliseconds between steps, and on this machine a step after such a pause runs
 slower than one right after another (colder caches): "added" counts that slowdown as the gateway's cost,
-"added at pace" does not. Peers are
+"added at pace" does not (at a fixed rate both sides idle alike, and engine-paced has no row). The
+target is judged at concurrency 1 and at each rate; N > 1 closed-loop clients keep N requests in flight,
+so their latency is N over the throughput and reports capacity (req/s), not per-request cost. Peers are
 interleaved in rounds, so load from anything else on the machine hits them alike. CPU per request is
 the serving process's (the gateway's, or this one's for the engine) and this client's, over the same runs.
 HTTP peers use ``bench.http_client.LeanHttpClient`` (keep-alive, one write per request): the client runs
@@ -51,14 +55,14 @@ from bench.gateway_peers import (
     httpx_chat_call,
     make_work,
 )
-from bench.gateway_rounds import PACED_TO, measure
+from bench.gateway_report import TARGET_ADDED_P50_MS, TARGET_ADDED_P99_MS, format_table, judge, print_summary
+from bench.gateway_rounds import PACED_TO, Load, measure
 from bench.gateway_servers import ROOT, GatewayServer, ServerVariant, create_tenant_key
 from bench.http_client import LeanHttpClient
 from gateway.cli.serve_cmds import freeze_startup_heap, unfreeze_heap
 
 PEERS = ("engine", "engine-paced", "https-chat", "https-chat-httpx", "https-chat-nosync",
          "https-chat-noaudit", "http-chat", "https-models", "https-healthz", "disk-fsync")
-TARGET_ADDED_P50_MS, TARGET_ADDED_P99_MS = 3.0, 15.0
 _VARIANTS = {"https": ServerVariant("https"), "https-nosync": ServerVariant("https-nosync", durable=False),
              "https-noaudit": ServerVariant("https-noaudit", audit=False),
              "http": ServerVariant("http", insecure_http=True)}
@@ -75,12 +79,17 @@ class GatewayBenchConfig:
     num_requests: int = 400
     num_warmup: int = 40
     concurrency: tuple[int, ...] = (1, 8)
+    rates: tuple[float, ...] = ()  # open-loop arrival rates (requests/s), measured after the closed loops
     num_rounds: int = 4
     peers: tuple[str, ...] = PEERS
     model: str | None = None
     db_url: str | None = None
     seed: int = 0
     baseline: str | None = None  # another kvgate checkout, served as peer https-chat-baseline
+
+    @property
+    def loads(self) -> list[Load]:
+        return [Load(concurrency=c) for c in self.concurrency] + [Load(rate_per_s=r) for r in self.rates]
 
     @property
     def peer_names(self) -> tuple[str, ...]:
@@ -112,7 +121,8 @@ async def _run_levels(cfg: GatewayBenchConfig, engine: Any, tenant_id: str, api_
     import httpx
 
     work = await make_work(engine.tokenizer, engine.model_name, cfg.num_requests, cfg.seed)
-    n = max(cfg.concurrency)  # keep-alive: one connection per worker, reused for every request
+    # keep-alive: one connection per worker, reused for every request (open loop: as many as in flight)
+    n = None if cfg.rates else max(cfg.concurrency)
     auth = {"authorization": f"Bearer {api_key}"}
     clients: dict[str, Any] = {name: LeanHttpClient(srv.base_url, srv.verify, auth)
                                for name, srv in servers.items()}
@@ -127,9 +137,10 @@ async def _run_levels(cfg: GatewayBenchConfig, engine: Any, tenant_id: str, api_
         # model's and libraries' objects) land in whichever peer is being timed, as `kvgate serve` does.
         freeze_startup_heap()
         rows = []
-        for c in cfg.concurrency:
-            rows += await measure(peers, work, c, cfg.num_rounds, cfg.num_warmup)
-            print(format_table(rows[-len(peers):]), flush=True)
+        for load in cfg.loads:
+            level = await measure(peers, work, load, cfg.num_rounds, cfg.num_warmup, cfg.seed)
+            rows += level
+            print(format_table(level), flush=True)
         return work, rows
     finally:
         unfreeze_heap()
@@ -199,31 +210,17 @@ def _run(cfg: GatewayBenchConfig, data_dir: Path) -> dict[str, Any]:
             engine.shutdown()
         for server in servers.values():
             server.stop()
-    for row in rows:
-        if row["peer"] == "https-chat":
-            row["meets_target"] = (row["added_p50_ms"] <= TARGET_ADDED_P50_MS
-                                   and row["added_p99_ms"] <= TARGET_ADDED_P99_MS)
+    judge(rows)
     return {"config": config, "results": rows,
             "targets": {"added_p50_ms": TARGET_ADDED_P50_MS, "added_p99_ms": TARGET_ADDED_P99_MS}}
 
 
-def _cell(row: dict[str, Any], key: str, fmt: str) -> str:
-    return "n/a" if row.get(key) is None else format(row[key], fmt)
-
-
-def format_table(rows: list[dict[str, Any]]) -> str:
-    out = ["| peer | conc. | requests | p50 ms | p99 ms | req/s | added p50 ms | added p99 ms | "
-           "server CPU ms/req | client CPU ms/req |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in rows:
-        cells = [_cell(r, k, f) for k, f in (("req_per_s", ".0f"), ("added_p50_ms", ".2f"),
-                 ("added_p99_ms", ".2f"), ("server_cpu_ms_per_req", ".2f"), ("client_cpu_ms_per_req", ".2f"))]
-        out.append(f"| {r['peer']} | {r['concurrency']} | {r['requests']} | {r['p50_ms']:.2f} | "
-                   f"{r['p99_ms']:.2f} | {' | '.join(cells)} |")
-    return "\n".join(out)
-
-
 def validate(cfg: GatewayBenchConfig) -> None:
     """Raises ValueError: an unknown peer, or a baseline that is not a kvgate checkout."""
+    if not cfg.concurrency or min(cfg.concurrency) < 1:
+        raise ValueError("concurrency levels must be 1 or more")
+    if any(not 0 < r < float("inf") for r in cfg.rates):  # NaN fails too
+        raise ValueError("rates must be positive requests per second")
     unknown = set(cfg.peers) - set(PEERS)
     if unknown:
         raise ValueError(f"unknown peers {sorted(unknown)}; known: {PEERS}")
@@ -263,18 +260,5 @@ def run_gateway_bench(
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(json.dumps(report, indent=2))
-    _print_summary(report["results"], out)
+    print_summary(report["results"], out)
     return report
-
-
-def _print_summary(rows: list[dict[str, Any]], out: str | None) -> None:
-    print(format_table(rows))
-    for row in (r for r in rows if "meets_target" in r):
-        print(f"https-chat at concurrency {row['concurrency']}: added p50 {row['added_p50_ms']:.2f} ms, "
-              f"p99 {row['added_p99_ms']:.2f} ms (target {TARGET_ADDED_P50_MS} / {TARGET_ADDED_P99_MS}): "
-              f"{'met' if row['meets_target'] else 'MISSED'}")
-        if "added_paced_p50_ms" in row:
-            print(f"  against the engine at the gateway's pace (engine-paced): added p50 "
-                  f"{row['added_paced_p50_ms']:.2f} ms, p99 {row['added_paced_p99_ms']:.2f} ms")
-    if out:
-        print(f"JSON: {out}")

@@ -19,6 +19,9 @@ def bench_gateway(
     num_requests: Annotated[int, typer.Option(help="Measured requests per peer and concurrency.")] = 400,
     num_warmup: Annotated[int, typer.Option(help="Unmeasured requests per peer first.")] = 40,
     concurrency: Annotated[str, typer.Option(help="Comma list of closed-loop client counts.")] = "1,8",
+    rates: Annotated[str, typer.Option(help=(
+        "Comma list of open-loop arrival rates (requests/s, Poisson, the same arrivals for every peer), "
+        "measured after the closed loops; e.g. 50,100."))] = "",
     rounds: Annotated[int, typer.Option(help="Peers are interleaved in this many rounds.")] = 4,
     peers: Annotated[str, typer.Option(help=f"Comma list of {_ALL_PEERS}; engine always runs.")] = _ALL_PEERS,
     model: Annotated[str, _ModelOpt] = "tiny",
@@ -36,6 +39,7 @@ def bench_gateway(
         num_requests=num_requests,
         num_warmup=num_warmup,
         concurrency=tuple(int(c) for c in concurrency.split(",")),
+        rates=tuple(float(r) for r in rates.split(",") if r.strip()),
         num_rounds=rounds,
         peers=tuple(peers.split(",")),
         model=model,
