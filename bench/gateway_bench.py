@@ -1,8 +1,8 @@
 """`kvgate bench gateway`: the gateway's added latency over calling the engine in-process, in one run.
 
 Every peer runs the same chat requests (``max_tokens=1``, greedy) closed-loop at each concurrency, then
-open-loop at each ``rates`` level (seeded Poisson arrivals, the same for every peer, each request timed
-from when it was due):
+open-loop at each ``rates`` level (seeded Poisson arrivals, the same for every peer, sent whether or not
+earlier requests have answered):
 
     engine              AsyncLLMEngine.generate() in this process, fed the token ids the gateway computes
     engine-paced        the same, but idle between requests as long as https-chat leaves the engine idle

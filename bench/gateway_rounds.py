@@ -43,8 +43,10 @@ async def closed_loop(call: Call, work: list[Work], concurrency: int,
 
 async def open_loop(call: Call, work: list[Work], rate_per_s: float, seed: int) -> tuple[list[float], float]:
     """Requests sent at seeded Poisson arrival times (``rate_per_s`` on average), whether or not earlier
-    ones have answered, each timed from when it was due: lateness in sending counts, so a server that
-    falls behind shows it (no coordinated omission). The same ``seed`` gives every peer the same arrivals.
+    ones have answered, so a server that falls behind cannot slow the arrivals down (no coordinated
+    omission). Each is timed from when it was sent: asyncio's timers wake up to a millisecond late (epoll
+    counts whole milliseconds), and that client-side lateness is no peer's latency. The same ``seed``
+    gives every peer the same arrivals.
 
     Returns:
         Per-request latencies (s) and the wall time (s).
@@ -53,8 +55,9 @@ async def open_loop(call: Call, work: list[Work], rate_per_s: float, seed: int) 
 
     async def one(w: Work, due: float) -> None:
         await asyncio.sleep(due - loop.time())
+        t0 = time.perf_counter()
         await call(w)
-        latencies.append(loop.time() - due)
+        latencies.append(time.perf_counter() - t0)
 
     t0 = due = loop.time()
     tasks = []

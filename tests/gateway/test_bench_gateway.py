@@ -111,7 +111,7 @@ def test_paced_engine_idles_for_the_gateways_extra_latency():
         rows["https-chat"]["p50_ms"] - rows["engine-paced"]["p50_ms"])
 
 
-def test_open_loop_sends_every_peer_the_same_arrivals_and_times_from_when_due():
+def test_open_loop_sends_every_peer_the_same_arrivals_without_waiting_for_answers():
     import asyncio
 
     from bench.gateway_peers import Peer, Work
