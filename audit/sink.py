@@ -33,20 +33,36 @@ def store_sink(store: AuditStore) -> Callable[[str, Mapping[str, Any]], Awaitabl
     return sink
 
 
-def store_txn_sink(store: AuditStore) -> Callable[[str, Mapping[str, Any]], Callable[[Connection], None]]:
+class AppendStep:
+    """Events to append, in order, inside a caller's synchronous transaction on the store's database."""
+
+    __slots__ = ("store", "events")
+
+    def __init__(self, store: AuditStore, events: tuple[AuditEvent, ...]) -> None:
+        self.store = store
+        self.events = events
+
+    def __call__(self, conn: Connection) -> None:
+        self.store.append_many_sync(conn, self.events)
+
+    def then(self, other: object) -> AppendStep | None:
+        """One step appending this step's events, then ``other``'s (one head lock and update for all);
+        ``None`` when ``other`` appends elsewhere or is not an append."""
+        if not isinstance(other, AppendStep) or other.store is not self.store:
+            return None
+        return AppendStep(self.store, self.events + other.events)
+
+
+def store_txn_sink(store: AuditStore) -> Callable[[str, Mapping[str, Any]], AppendStep]:
     """Like ``store_sink``, but each event becomes a step that appends it inside the caller's synchronous
     transaction on the store's database, so it commits or rolls back together with the caller's writes.
 
     The event is built (and its fields checked) when the step is made, in the caller's context; the step
-    raises whatever the database raises.
+    raises whatever the database raises. Steps run one after another in one transaction can be joined
+    (``AppendStep.then``).
     """
 
-    def prepare(name: str, fields: Mapping[str, Any]) -> Callable[[Connection], None]:
-        event = _to_event(name, fields)
-
-        def step(conn: Connection) -> None:
-            store.append_sync(conn, event)
-
-        return step
+    def prepare(name: str, fields: Mapping[str, Any]) -> AppendStep:
+        return AppendStep(store, (_to_event(name, fields),))
 
     return prepare

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 import sqlite3  # audit.prepared runs SQLite statements on the raw cursor: its errors are unwrapped
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -23,7 +23,7 @@ from audit.context import get_sensitive
 from audit.events import AUDIT_PURGED, AuditEvent, make_event
 from audit.keys import AuditKeys, load_or_create_keys
 from audit.patterns import is_digest_field, scrub_text
-from audit.prepared import execute
+from audit.prepared import execute, execute_many
 from audit.tables import audit_checkpoints, audit_events, audit_head, metadata
 
 DEFAULT_CHECKPOINT_EVERY = 1000
@@ -161,13 +161,34 @@ class AuditStore:
     def append_sync(self, conn: Connection, event: AuditEvent) -> Head:
         """Chain and store one event inside the caller's synchronous transaction (it commits or rolls
         back with the caller's other writes). Database errors propagate unwrapped."""
-        return self._append(conn, _lock_head(conn), event)
+        return self._append_all(conn, _lock_head(conn), (event,))
+
+    def append_many_sync(self, conn: Connection, events: Sequence[AuditEvent]) -> Head:
+        """``append_sync`` for several events in order, with one lock and one update of the head for all
+        of them (a request's admission records two)."""
+        return self._append_all(conn, _lock_head(conn), events)
 
     async def record(self, name: str, **fields: Any) -> Head:
         """``append(make_event(name, **fields))``."""
         return await self.append(make_event(name, **fields))
 
-    def _append(self, conn: Connection, head: Head, event: AuditEvent) -> Head:
+    def _append_all(self, conn: Connection, head: Head, events: Sequence[AuditEvent]) -> Head:
+        """Chain ``events`` after ``head`` (locked by this transaction), store them and move the head."""
+        rows, due = [], []
+        for event in events:
+            head, row = self._link(head, event)
+            rows.append(row)
+            if head.seq % self.checkpoint_every == 0:
+                due.append(head)
+        execute_many(conn, _INSERT_EVENT, rows)
+        execute(conn, _ADVANCE_HEAD, {"new_seq": head.seq, "new_link": head.link,
+                                      "new_chain_hash": head.chain_hash})
+        for checkpointed in due:
+            self._insert_checkpoint(conn, checkpointed)
+        return head
+
+    def _link(self, head: Head, event: AuditEvent) -> tuple[Head, dict[str, Any]]:
+        """The stored row of ``event`` chained after ``head``, and the head it makes."""
         seq = head.seq + 1
         record = self._new_record(seq, event)
         tenant_hex, body_hex, canonical = chain.link_record(record)
@@ -175,12 +196,7 @@ class AuditStore:
         chain_hash = chain.next_chain_hash(self.keys.chain_key, head.chain_hash, canonical)
         row = {**record, "data": chain.canonical_json(record["data"]).decode(), "link": link,
                "chain_hash": chain_hash}
-        execute(conn, _INSERT_EVENT, row)
-        execute(conn, _ADVANCE_HEAD, {"new_seq": seq, "new_link": link, "new_chain_hash": chain_hash})
-        new_head = Head(seq, link, chain_hash)
-        if seq % self.checkpoint_every == 0:
-            self._insert_checkpoint(conn, new_head)
-        return new_head
+        return Head(seq, link, chain_hash), row
 
     def _new_record(self, seq: int, event: AuditEvent) -> dict[str, Any]:
         sensitive = get_sensitive()
@@ -227,7 +243,7 @@ class AuditStore:
                     num_deleted = result.rowcount or 0
                 event = make_event(AUDIT_PURGED, actor=actor, before=format_ts(before), cut_seq=cut,
                                    num_deleted=num_deleted)
-                await conn.run_sync(self._append, head, event)
+                await conn.run_sync(self._append_all, head, (event,))
                 return PurgeResult(cut, num_deleted)
 
     async def _ensure_checkpoint_at(self, conn: AsyncConnection, seq: int) -> None:

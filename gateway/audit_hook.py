@@ -89,12 +89,29 @@ class AuditHook:
             return None
         with _failing_closed(name, True):
             append = self._txn_sink(name, fields)
+        return _EventStep(name, append)
 
-        def run(conn: Connection) -> None:
-            with _failing_closed(name, True):
-                append(conn)
 
-        return run
+class _EventStep:
+    """An event's step: a failure raises ``AuditUnavailableError``. Consecutive ones whose appends can be
+    joined (``then``) run as one append (``chain_steps``)."""
+
+    __slots__ = ("name", "append")
+
+    def __init__(self, name: str, append: TxnStep) -> None:
+        self.name = name
+        self.append = append
+
+    def __call__(self, conn: Connection) -> None:
+        with _failing_closed(self.name, True):
+            self.append(conn)
+
+    def then(self, other: object) -> _EventStep | None:
+        join = getattr(self.append, "then", None)
+        if not isinstance(other, _EventStep) or join is None:
+            return None
+        joined = join(other.append)
+        return None if joined is None else _EventStep(f"{self.name}+{other.name}", joined)
 
 
 class DeferredEvent:
@@ -129,8 +146,17 @@ class DeferredEvent:
 
 
 def chain_steps(*steps: TxnStep | None) -> TxnStep | None:
-    """One step running ``steps`` in order (``None`` ones skipped); ``None`` when there are none."""
-    present = [s for s in steps if s is not None]
+    """One step running ``steps`` in order (``None`` ones skipped); ``None`` when there are none.
+    Adjacent audit events that can share one append are joined."""
+    present: list[TxnStep] = []
+    for step in steps:
+        if step is None:
+            continue
+        joined = present[-1].then(step) if present and isinstance(present[-1], _EventStep) else None
+        if joined is not None:
+            present[-1] = joined
+        else:
+            present.append(step)
     if not present:
         return None
     if len(present) == 1:

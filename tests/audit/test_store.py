@@ -115,3 +115,45 @@ async def test_gateway_hook_sink_names(store: AuditStore) -> None:
     with pytest.raises(ValueError):
         await sink("request.finished", {"prompt": "never"})
     assert (await store.head()).seq == 3 and (await verify_store(store)).ok
+
+
+async def test_events_joined_in_one_transaction_chain_as_if_appended_one_by_one(store: AuditStore) -> None:
+    from audit.sink import AppendStep, store_txn_sink
+    from gateway.audit_hook import AuditHook, AuditUnavailableError, chain_steps
+
+    hook = AuditHook()
+    hook.set_txn_sink(store_txn_sink(store), None)  # ``run`` is only for lone events (``emit``)
+    ran: list[str] = []
+
+    def fields(i: int) -> dict:
+        return {"kind": "tenant", "key_id": f"k{i}", "tenant_id": "t", "path": "/v1/chat/completions"}
+
+    async def run(step) -> None:
+        async with store.engine.begin() as conn:
+            await conn.run_sync(step)
+
+    await run(hook.step("auth.success", **fields(1)))
+    joined = chain_steps(hook.step("auth.success", **fields(2)), None, hook.step("auth.success", **fields(3)),
+                         hook.step("auth.success", **fields(4)))
+    assert isinstance(joined.append, AppendStep) and len(joined.append.events) == 3  # one append
+    await run(joined)  # seqs 2..4: crosses checkpoint_every=4 inside one append
+    split = chain_steps(hook.step("auth.success", **fields(5)), lambda conn: ran.append("other"),
+                        hook.step("auth.success", **fields(6)))
+    await run(split)  # another step in between keeps its place: no join across it
+    assert ran == ["other"]
+
+    async with store.engine.connect() as conn:
+        rows = (await conn.execute(select(audit_events.c.seq, audit_events.c.key_id)
+                                   .order_by(audit_events.c.seq))).all()
+        cps = [r.seq for r in (await conn.execute(select(audit_checkpoints.c.seq))).all()]
+    assert [(r.seq, r.key_id) for r in rows] == [(i, f"k{i}") for i in range(1, 7)]
+    assert cps == [4] and (await store.head()).seq == 6 and (await verify_store(store)).ok
+
+    def broken(conn, events):
+        raise RuntimeError("disk gone")
+
+    store.append_many_sync = broken  # type: ignore[method-assign]
+    with pytest.raises(AuditUnavailableError):
+        await run(chain_steps(hook.step("auth.success", **fields(7)), hook.step("auth.success", **fields(8))))
+    del store.append_many_sync
+    assert (await store.head()).seq == 6  # nothing of the failed transaction holds

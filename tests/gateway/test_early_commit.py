@@ -72,17 +72,17 @@ async def test_a_failed_admission_commit_fails_the_request_and_leaks_nothing(tmp
     async for gw in open_gateway(tmp_path, sqlite_url, llm):
         tid, key = await gw.make_tenant(policy=Policy(max_concurrent_requests=1))
         store = gw.runtime.audit_store
-        append = store.append_sync
+        append = store.append_many_sync
 
-        def append_then_break(conn, event, append=append):
-            head = append(conn, event)
-            if event.name == "request.admitted":
+        def append_then_break(conn, events, append=append):
+            head = append(conn, events)
+            if any(e.name == "request.admitted" for e in events):
                 _break_commit(conn)
             return head
 
         for stream in (False, True):
             with monkeypatch.context() as m:
-                m.setattr(store, "append_sync", append_then_break)
+                m.setattr(store, "append_many_sync", append_then_break)
                 body = {"model": gw.runtime.engine.model_name, "max_tokens": 8, "stream": stream,
                         "messages": [{"role": "user", "content": "hello"}]}
                 r = await gw.client.post("/v1/chat/completions", json=body,

@@ -100,12 +100,12 @@ def _fail_store_on(gw, monkeypatch, event_name, when="append"):
     import audit.sink
 
     store, to_event = gw.runtime.audit_store, audit.sink._to_event
-    append = store.append_sync
+    append = store.append_many_sync
 
-    def flaky_append(conn, event):
-        if event.name == event_name:
+    def flaky_append(conn, events):
+        if any(e.name == event_name for e in events):
             raise RuntimeError("audit store down")
-        return append(conn, event)
+        return append(conn, events)
 
     def flaky_prepare(name, fields):
         if name == event_name:
@@ -113,7 +113,7 @@ def _fail_store_on(gw, monkeypatch, event_name, when="append"):
         return to_event(name, fields)
 
     if when == "append":
-        monkeypatch.setattr(store, "append_sync", flaky_append)
+        monkeypatch.setattr(store, "append_many_sync", flaky_append)
     else:
         monkeypatch.setattr(audit.sink, "_to_event", flaky_prepare)
 
