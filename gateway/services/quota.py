@@ -51,9 +51,14 @@ class Reservation:
 
 def window_bounds(now: float) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
     """Starts and ends (epoch seconds, UTC) of the minute, day and month containing ``now``."""
-    minute = int(now // 60) * 60
-    day = int(now // 86400) * 86400
-    d = datetime.fromtimestamp(now, UTC)
+    return _minute_bounds(int(now // 60) * 60)
+
+
+@lru_cache(maxsize=4)
+def _minute_bounds(minute: int) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+    # Every window boundary is a whole minute, so one computation serves a whole minute of requests.
+    day = minute // 86400 * 86400
+    d = datetime.fromtimestamp(minute, UTC)
     month = datetime(d.year, d.month, 1, tzinfo=UTC)
     next_month = datetime(d.year + d.month // 12, d.month % 12 + 1, 1, tzinfo=UTC)
     return (minute, day, int(month.timestamp())), (minute + 60, day + 86400, int(next_month.timestamp()))

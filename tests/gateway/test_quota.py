@@ -208,3 +208,18 @@ async def test_daily_quota_and_requests_per_minute(gw):
     assert codes[0] == 200 and codes[-1] == 429
     limited = next(r for r in responses if r.status_code == 429)
     assert limited.json()["error"]["code"] in ("insufficient_quota", "request_too_large")
+
+
+@pytest.mark.parametrize("when", ["2024-02-29T23:59:59.500000", "2026-12-31T23:59:30", "2027-01-01T00:00:00",
+                                  "2026-11-24T01:13:07.250000"])
+def test_window_bounds_contain_the_instant_across_month_and_year_ends(when):
+    from datetime import UTC, datetime
+
+    t = datetime.fromisoformat(when).replace(tzinfo=UTC)
+    now = t.timestamp()
+    (minute, day, month), (minute_end, day_end, month_end) = window_bounds(now)
+    assert minute <= now < minute_end == minute + 60 and day <= now < day_end == day + 86400
+    assert datetime.fromtimestamp(month, UTC) == datetime(t.year, t.month, 1, tzinfo=UTC)
+    nxt = datetime.fromtimestamp(month_end, UTC)
+    assert nxt.day == 1 and nxt > t and (nxt.year, nxt.month) != (t.year, t.month)
+    assert window_bounds(minute + 59.999) == window_bounds(now)  # the same minute: the same bounds
