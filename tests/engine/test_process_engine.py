@@ -1,0 +1,127 @@
+"""ProcessLLMEngine: the engine in a child process, behind AsyncLLMEngine's interface."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import pytest
+
+from engine import AsyncLLMEngine, EngineConfig, InvalidRequestError, ModelLoadError, SamplingParams
+from engine.errors import PromptTooLongError
+from engine.process import ProcessLLMEngine
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def config(tiny_llama_dir):
+    return EngineConfig(model=str(tiny_llama_dir), num_kv_blocks=64, max_model_len=256)
+
+
+@pytest.fixture(scope="module")
+def process_engine(config):
+    eng = ProcessLLMEngine(config)
+    eng.start()
+    yield eng
+    eng.shutdown()
+
+
+async def _run(engine, prompt, params, request_id=None):
+    outs = []
+    async for out in engine.generate(prompt, params, request_id):
+        outs.append(out)
+    return outs
+
+
+async def test_the_same_tokens_and_stream_as_the_thread_engine(process_engine, config):
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+    threaded = AsyncLLMEngine(config)
+    threaded.start()
+    try:
+        want = await _run(threaded, "Hello there, friend", params)
+    finally:
+        threaded.shutdown()
+    got = await _run(process_engine, "Hello there, friend", params)
+    assert [o.outputs[0].new_token_ids for o in got] == [o.outputs[0].new_token_ids for o in want]
+    last, expected = got[-1].outputs[0], want[-1].outputs[0]
+    assert got[-1].finished and last.finish_reason == "length" and len(last.token_ids) == 12
+    assert last.text == expected.text
+    assert [lp.token_id for lp in last.logprobs] == [lp.token_id for lp in expected.logprobs]
+    assert process_engine.model_name == threaded.model_name
+    assert process_engine.max_model_len == threaded.max_model_len
+    assert process_engine.determinism.fingerprints == threaded.determinism.fingerprints
+    assert process_engine.determinism.modes == threaded.determinism.modes
+    assert process_engine.tokenizer.encode("a b c") == threaded.tokenizer.encode("a b c")
+
+
+async def test_bad_input_raises_before_anything_is_yielded_and_the_engine_serves_on(process_engine):
+    with pytest.raises(PromptTooLongError):  # raised in the child, re-raised here with its type
+        await _run(process_engine, [5] * 300, SamplingParams(max_tokens=2))
+    with pytest.raises(InvalidRequestError):
+        await _run(process_engine, "", SamplingParams(max_tokens=2))
+    outs = await _run(process_engine, "still serving", SamplingParams(temperature=0, max_tokens=2))
+    assert outs[-1].finished
+
+
+async def test_concurrent_requests_and_an_abandoned_stream_frees_its_blocks(process_engine):
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    results = await asyncio.gather(*(_run(process_engine, [100 + i, 200, 300], params) for i in range(5)))
+    assert all(r[-1].finished and len(r[-1].outputs[0].token_ids) == 6 for r in results)
+
+    async def consume():
+        async for _ in process_engine.generate([5] * 40, SamplingParams(max_tokens=200, ignore_eos=True)):
+            pass
+
+    task = asyncio.create_task(consume())
+    for _ in range(300):
+        await asyncio.sleep(0.01)
+        if process_engine.stats().num_kv_blocks_used > 0:
+            break
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    for _ in range(300):  # the abort reaches the child, which frees the blocks and says so
+        await asyncio.sleep(0.01)
+        s = process_engine.stats()
+        if s.num_running == 0 and s.num_kv_blocks_used == 0:
+            break
+    assert process_engine.stats().num_running == 0 and process_engine.stats().num_kv_blocks_used == 0
+
+
+@pytest.mark.parametrize("reader", ["event loop", "thread"])
+async def test_a_dead_child_fails_its_requests_and_refuses_new_ones(config, reader):
+    engine = ProcessLLMEngine(config)
+    if reader == "thread":
+        await asyncio.to_thread(engine.start)  # no running loop there: a reader thread takes the outputs
+        assert engine._reader is not None
+    else:
+        engine.start()  # this loop reads the pipe itself
+        assert engine._loop is asyncio.get_running_loop()
+    try:
+        outs = await _run(engine, "warm", SamplingParams(temperature=0, max_tokens=2))
+        assert outs[-1].finished
+        stream = engine.generate([5] * 20, SamplingParams(max_tokens=10_000, ignore_eos=True))
+        await anext(stream)  # running in the child
+        os.kill(engine._proc.pid, signal.SIGKILL)
+        with pytest.raises(RuntimeError, match="engine process exited"):
+            async for _ in stream:
+                pass
+        assert not engine.is_running
+        with pytest.raises(RuntimeError, match="not running"):
+            await _run(engine, "hello", SamplingParams(max_tokens=2))
+    finally:
+        engine.shutdown()
+
+
+def test_a_model_that_cannot_load_is_the_constructors_error(tmp_path):
+    with pytest.raises(ModelLoadError):
+        ProcessLLMEngine(EngineConfig(model=str(tmp_path / "missing")))
+
+
+def test_shutdown_stops_the_child(config):
+    engine = ProcessLLMEngine(config)
+    engine.start()
+    engine.shutdown()
+    assert not engine._proc.is_alive() and not engine.is_running
