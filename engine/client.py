@@ -28,7 +28,50 @@ class _Stream:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
 
-class AsyncLLMEngine:
+class StreamingFront:
+    """``generate`` for async engine fronts: each request's outputs arrive on a ``_Stream`` that the front
+    fills from wherever its engine runs (``_submit`` starts a request, ``abort`` ends one early)."""
+
+    async def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+                       request_id: str | None = None, *, cache_namespace: bytes = b"",
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """Submit a request and yield its incremental outputs until it finishes.
+
+        Raises:
+            InvalidRequestError: On bad input, before anything is yielded.
+            RuntimeError: The engine is not running or died.
+        """
+        request_id = request_id or uuid.uuid4().hex
+        stream = _Stream(asyncio.get_running_loop())
+        # The engine's validation error, if any, comes back as the stream's first item: no separate
+        # acknowledgement (one wake-up of this loop less per request, in the middle of its first step).
+        self._submit(request_id, stream, (prompt, params, cache_namespace, priority))
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._forget(request_id)
+            if not finished:
+                self.abort(request_id)
+
+    def _submit(self, request_id: str, stream: _Stream, request: tuple) -> None:
+        raise NotImplementedError
+
+    def _forget(self, request_id: str) -> None:
+        """The caller stopped listening to ``request_id``'s stream (finished or not)."""
+
+    def abort(self, request_id: str) -> None:
+        raise NotImplementedError
+
+
+class AsyncLLMEngine(StreamingFront):
     """Thread-backed async front of ``LLMEngine``; the only engine import the gateway needs.
 
     All engine state is touched by the loop thread only: callers hand it commands through a queue,
@@ -74,35 +117,10 @@ class AsyncLLMEngine:
         breakdown (``engine.stats()`` has it, from the loop thread)."""
         return self._stats
 
-    async def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
-                       request_id: str | None = None, *, cache_namespace: bytes = b"",
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
-        """Submit a request and yield its incremental outputs until it finishes.
-
-        Raises:
-            InvalidRequestError: On bad input, before anything is yielded.
-            RuntimeError: The engine loop is not running or died.
-        """
+    def _submit(self, request_id: str, stream: _Stream, request: tuple) -> None:
         if not self.is_running:
             raise RuntimeError("engine loop is not running (call start())")
-        request_id = request_id or uuid.uuid4().hex
-        stream = _Stream(asyncio.get_running_loop())
-        # The engine's validation error, if any, comes back as the stream's first item: no separate
-        # acknowledgement (one wake-up of this loop less per request, in the middle of its first step).
-        self._commands.put(("add", request_id, prompt, params, cache_namespace, priority, stream))
-        finished = False
-        try:
-            while True:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.finished
-                yield item
-                if finished:
-                    return
-        finally:
-            if not finished:
-                self.abort(request_id)
+        self._commands.put(("add", request_id, *request, stream))
 
     def abort(self, request_id: str) -> None:
         """Abort a request from any thread; its blocks are freed on the loop's next turn."""

@@ -12,20 +12,19 @@ from __future__ import annotations
 import asyncio
 import multiprocessing
 import threading
-import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 
-from engine.client import _Stream
+from engine.client import StreamingFront, _Stream
 from engine.config import EngineConfig
 from engine.process_child import DeterminismSummary, Ready, child_main
-from engine.request import RequestOutput, SamplingParams
+from engine.request import RequestOutput
 from engine.stats import EngineStats
 
 __all__ = ["DeterminismSummary", "ProcessLLMEngine"]
 
 
-class ProcessLLMEngine:
+class ProcessLLMEngine(StreamingFront):
     """``AsyncLLMEngine`` with the engine in a spawned child process (see the module docstring).
 
     Args:
@@ -107,36 +106,14 @@ class ProcessLLMEngine:
         """The snapshot the child sent with its latest step (without the per-namespace breakdown)."""
         return self._stats
 
-    async def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
-                       request_id: str | None = None, *, cache_namespace: bytes = b"",
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
-        """As ``AsyncLLMEngine.generate``.
-
-        Raises:
-            InvalidRequestError: On bad input, before anything is yielded.
-            RuntimeError: The engine process is not running or died.
-        """
-        request_id = request_id or uuid.uuid4().hex
-        stream = _Stream(asyncio.get_running_loop())
+    def _submit(self, request_id: str, stream: _Stream, request: tuple) -> None:
         self._streams[request_id] = stream  # before the death check: a sweep after it reaches this one
-        add = ("add", request_id, prompt, params, cache_namespace, priority)
-        if not self.is_running or not self._send(add):
+        if not self.is_running or not self._send(("add", request_id, *request)):
             self._streams.pop(request_id, None)
             raise RuntimeError("engine process is not running (call start())") from self.error
-        finished = False
-        try:
-            while True:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.finished
-                yield item
-                if finished:
-                    return
-        finally:
-            self._streams.pop(request_id, None)
-            if not finished:
-                self.abort(request_id)
+
+    def _forget(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
 
     def abort(self, request_id: str) -> None:
         """Abort a request from any thread; its blocks are freed on the child's next turn."""
