@@ -78,13 +78,23 @@ class Runtime:
 
     def _start_engine(self) -> None:
         if self.engine is None:
-            from engine import AsyncLLMEngine
-
-            self.engine = AsyncLLMEngine(self.settings.engine_config())
+            self.engine = self._make_engine()
             self.owns_engine = True
             self.engine.start()
             log.info("engine.started", model=self.engine.model_name, max_model_len=self.engine.max_model_len)
         self.token_text = TokenText(self.engine.tokenizer)
+
+    def _make_engine(self) -> Any:
+        if not self.settings.engine_process:
+            from engine import AsyncLLMEngine
+
+            return AsyncLLMEngine(self.settings.engine_config())
+        from audit.logging import configure_logging
+        from engine.process import ProcessLLMEngine
+
+        # The child logs through the same redacting chain as this process.
+        return ProcessLLMEngine(self.settings.engine_config(), initializer=configure_logging,
+                                initargs=(self.settings.log_json, "INFO"))
 
     async def _keep_lease(self) -> None:
         """Renew this instance's in-flight lease three times per lease period until stopped."""

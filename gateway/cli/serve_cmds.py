@@ -105,6 +105,11 @@ def serve(
     reserved_cpus: Annotated[
         int | None, typer.Option(help="Cores kept from the engine for the gateway (KVGATE_RESERVED_CPUS).")
     ] = None,
+    engine_process: Annotated[
+        bool | None,
+        typer.Option("--engine-process/--engine-thread", help="The engine in a child process or a thread "
+                     "of this one (KVGATE_ENGINE_PROCESS)."),
+    ] = None,
 ) -> None:
     """Run the HTTPS gateway with the engine in-process (migrates the database first)."""
     import uvicorn
@@ -126,6 +131,7 @@ def serve(
         device=device,
         determinism_modes=determinism_modes,
         reserved_cpus=reserved_cpus,
+        engine_process=engine_process,
     )
     configure_serve_logging(settings)
     settings.data_dir.mkdir(parents=True, exist_ok=True)
