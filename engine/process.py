@@ -3,8 +3,8 @@
 In one process the engine thread's Python (scheduling, the model's forward between torch calls, sampling)
 and the caller's threads (an event loop, a database writer) take turns on one GIL, and every hand-off
 between them waits for the engine to let go of it. Here the child runs the step loop alone; the parent
-keeps a tokenizer, a reader thread and one pipe. Commands (add, abort, stop) go down the pipe pickled;
-each step's outputs come back in one message with the engine's statistics.
+keeps a tokenizer and one pipe, read by its event loop (or a reader thread). Commands (add, abort, stop)
+go down the pipe pickled; each step's outputs come back in one message with the engine's statistics.
 """
 
 from __future__ import annotations
@@ -49,7 +49,12 @@ class ProcessLLMEngine(StreamingFront):
         ready = self._receive_ready()
         self.model_name, self.max_model_len = ready.model_name, ready.max_model_len
         self.determinism = ready.determinism
-        self.tokenizer = load_tokenizer(Path(ready.tokenizer_path))
+        try:
+            self.tokenizer = load_tokenizer(Path(ready.tokenizer_path))
+        except BaseException:
+            self._conn.send(("stop",))  # no child left behind
+            self._proc.join(10)
+            raise
         self._stats = ready.stats
         self._streams: dict[str, _Stream] = {}
         self._send_lock = threading.Lock()
@@ -100,6 +105,8 @@ class ProcessLLMEngine(StreamingFront):
             self._reader.join(timeout)
         if self._loop is not None and not self._loop.is_closed():
             self._stop_reading()
+        if not self._is_dead:  # the loop's reader is gone before it could see the pipe close
+            self._end()
         self._conn.close()
 
     def stats(self) -> EngineStats:

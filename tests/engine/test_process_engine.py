@@ -125,3 +125,14 @@ def test_shutdown_stops_the_child(config):
     engine.start()
     engine.shutdown()
     assert not engine._proc.is_alive() and not engine.is_running
+
+
+async def test_shutdown_ends_a_request_still_in_flight(config):
+    engine = ProcessLLMEngine(config)
+    engine.start()  # the event loop reads the pipe: shutdown removes that reader before the pipe closes
+    stream = engine.generate([5] * 20, SamplingParams(max_tokens=10_000, ignore_eos=True))
+    await anext(stream)
+    engine.shutdown()
+    with pytest.raises(RuntimeError, match="ended"):
+        async for _ in stream:
+            pass
