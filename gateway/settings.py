@@ -52,8 +52,8 @@ class Settings(BaseSettings):
             engine's batched throughput (README). vLLM's CPU backend reserves one the same way.
         engine_process: Run the engine in a child process of its own (the default) instead of a thread of
             this one: the event loop, the database writer and the engine's Python stop taking turns on one
-            GIL. Measured (README, gateway benchmark): +60% requests/s with 8 clients and shorter tails
-            under a request rate, for ~0.2 ms more per lone request (the pipe) and ~3 s more start-up. The
+            GIL. Measured (README, gateway benchmark): +45-66% requests/s with 8 clients and shorter tails
+            under a request rate, for 0.2-0.55 ms more per lone request (the pipe) and ~3 s more start-up. The
             child loads the model; this process keeps a tokenizer.
         determinism_modes: Comma list of the determinism modes the engine serves (``fast``, ``fixed``,
             ``batch_invariant``; ``KVGATE_DETERMINISM_MODES``). Serving ``fixed`` turns on torch's
