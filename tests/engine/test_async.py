@@ -42,26 +42,32 @@ async def test_concurrent_requests(async_engine):
     assert all(r.finished and len(r.token_ids) == 8 for r in results)
 
 
-async def test_cancelling_consumer_aborts_and_frees_blocks(async_engine):
+async def abandon_mid_stream(engine, request_id: str, num_polls: int = 300) -> None:
+    """Start a long request, cancel its consumer once it holds KV blocks, then wait until the engine's
+    stats show it gone (the abort travels to wherever the engine runs)."""
     params = SamplingParams(temperature=0, max_tokens=500, ignore_eos=True)
 
     async def consume():
-        async for _ in async_engine.generate([5] * 40, params, "cancel-me"):
+        async for _ in engine.generate([5] * 40, params, request_id):
             pass
 
     task = asyncio.create_task(consume())
-    for _ in range(200):
+    for _ in range(num_polls):
         await asyncio.sleep(0.01)
-        if async_engine.stats().num_kv_blocks_used > 0:
+        if engine.stats().num_kv_blocks_used > 0:
             break
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    for _ in range(200):
+    for _ in range(num_polls):
         await asyncio.sleep(0.01)
-        s = async_engine.stats()
-        if s.num_running == 0 and s.num_waiting == 0:
+        s = engine.stats()
+        if s.num_running == 0 and s.num_waiting == 0 and s.num_kv_blocks_used == 0:
             break
+
+
+async def test_cancelling_consumer_aborts_and_frees_blocks(async_engine):
+    await abandon_mid_stream(async_engine, "cancel-me")
     assert async_engine.engine.kv.pool.num_used_blocks == 0
     assert "cancel-me" not in async_engine.engine.requests
 

@@ -11,6 +11,7 @@ import pytest
 from engine import AsyncLLMEngine, EngineConfig, InvalidRequestError, ModelLoadError, SamplingParams
 from engine.errors import PromptTooLongError
 from engine.process import ProcessLLMEngine
+from tests.engine.test_async import abandon_mid_stream
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -70,23 +71,7 @@ async def test_concurrent_requests_and_an_abandoned_stream_frees_its_blocks(proc
     results = await asyncio.gather(*(_run(process_engine, [100 + i, 200, 300], params) for i in range(5)))
     assert all(r[-1].finished and len(r[-1].outputs[0].token_ids) == 6 for r in results)
 
-    async def consume():
-        async for _ in process_engine.generate([5] * 40, SamplingParams(max_tokens=200, ignore_eos=True)):
-            pass
-
-    task = asyncio.create_task(consume())
-    for _ in range(300):
-        await asyncio.sleep(0.01)
-        if process_engine.stats().num_kv_blocks_used > 0:
-            break
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
-    for _ in range(300):  # the abort reaches the child, which frees the blocks and says so
-        await asyncio.sleep(0.01)
-        s = process_engine.stats()
-        if s.num_running == 0 and s.num_kv_blocks_used == 0:
-            break
+    await abandon_mid_stream(process_engine, "cancel-me")  # the child frees the blocks and says so
     assert process_engine.stats().num_running == 0 and process_engine.stats().num_kv_blocks_used == 0
 
 
