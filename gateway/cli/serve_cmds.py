@@ -54,6 +54,8 @@ def serving_app(settings: Settings) -> Any:
 def uvicorn_options(settings: Settings) -> dict[str, Any]:
     """``uvicorn.run`` options besides TLS. ``log_config=None``: uvicorn's default dictConfig would give
     its loggers plain-text handlers of their own, bypassing redaction; they propagate to root instead."""
+    from gateway.http_protocol import HeadHoldingHttpToolsProtocol
+
     return {
         "host": settings.host,
         "port": settings.port,
@@ -62,6 +64,7 @@ def uvicorn_options(settings: Settings) -> dict[str, Any]:
         "access_log": False,
         "lifespan": "on",
         "timeout_graceful_shutdown": 5,
+        "http": HeadHoldingHttpToolsProtocol,
     }
 
 

@@ -1,0 +1,146 @@
+"""HeadHoldingTransport: a response head leaves with its body, never later than the end of the loop turn."""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+
+import httpx
+import pytest
+import uvicorn
+
+from gateway.cli.serve_cmds import uvicorn_options
+from gateway.http_protocol import HeadHoldingHttpToolsProtocol, HeadHoldingTransport
+from gateway.settings import Settings
+
+HEAD = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n"
+
+
+class _Recorder:
+    """The transport under the holder: what was written, in which order, and whether it closed."""
+
+    def __init__(self) -> None:
+        self.writes: list[bytes] = []
+        self.is_closed = False
+        self.is_aborted = False
+
+    def write(self, data: bytes) -> None:
+        assert not self.is_closed, "written after close"
+        self.writes.append(bytes(data))
+
+    def is_closing(self) -> bool:
+        return self.is_closed
+
+    def close(self) -> None:
+        self.is_closed = True
+
+    def abort(self) -> None:
+        self.is_aborted = self.is_closed = True
+
+    def get_write_buffer_size(self) -> int:
+        return 7
+
+    def get_extra_info(self, name: str, default: object = None) -> object:
+        return {"peername": ("127.0.0.1", 1)}.get(name, default)
+
+
+async def _holder() -> tuple[HeadHoldingTransport, _Recorder]:
+    inner = _Recorder()
+    return HeadHoldingTransport(inner, asyncio.get_running_loop()), inner  # type: ignore[arg-type]
+
+
+async def test_head_and_body_leave_in_one_write() -> None:
+    t, inner = await _holder()
+    t.write(HEAD)
+    assert inner.writes == []
+    assert t.get_write_buffer_size() == 7 + len(HEAD)
+    t.write(b"ok")
+    assert inner.writes == [HEAD + b"ok"]
+    await asyncio.sleep(0)  # the end-of-turn flush finds nothing left
+    assert inner.writes == [HEAD + b"ok"]
+
+
+async def test_a_head_alone_leaves_at_the_end_of_the_turn() -> None:
+    t, inner = await _holder()
+    t.write(HEAD)
+    await asyncio.sleep(0)
+    assert inner.writes == [HEAD]
+    t.write(b"data: 1\n\n")  # a stream's chunks pass straight through
+    t.writelines([b"a", b"b"])
+    assert inner.writes == [HEAD, b"data: 1\n\n", b"ab"]
+
+
+async def test_close_sends_a_held_head_first_and_abort_drops_it() -> None:
+    t, inner = await _holder()
+    t.write(HEAD)
+    t.close()
+    assert inner.writes == [HEAD] and inner.is_closed
+    await asyncio.sleep(0)
+    assert inner.writes == [HEAD]
+
+    t, inner = await _holder()
+    t.write(HEAD)
+    t.abort()
+    await asyncio.sleep(0)
+    assert inner.writes == [] and inner.is_aborted
+
+
+async def test_other_calls_reach_the_transport() -> None:
+    t, _ = await _holder()
+    assert t.get_extra_info("peername") == ("127.0.0.1", 1)
+    assert t.is_closing() is False
+
+
+def test_serve_uses_the_protocol(tmp_path) -> None:
+    assert uvicorn_options(Settings(data_dir=tmp_path))["http"] is HeadHoldingHttpToolsProtocol
+
+
+@pytest.mark.parametrize("use_tls", [False, True])
+async def test_uvicorn_serves_whole_and_streamed_responses(tmp_path, use_tls: bool) -> None:
+    """Through a real uvicorn on loopback: keep-alive requests, a whole body, a stream, a 404, HEAD."""
+
+    async def app(scope, receive, send):  # noqa: ANN001
+        if scope["type"] != "http":
+            return
+        if scope["path"] == "/stream":
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            for i in range(3):
+                await asyncio.sleep(0.01)
+                await send({"type": "http.response.body", "body": b"x%d" % i, "more_body": True})
+            await send({"type": "http.response.body", "body": b""})
+            return
+        status, body = (200, b"hello") if scope["path"] == "/" else (404, b"missing")
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+    tls: dict = {}
+    verify: ssl.SSLContext | bool = False
+    if use_tls:
+        from gateway.tls import ensure_tls
+
+        files = ensure_tls(tmp_path, ("127.0.0.1",))
+        tls = {"ssl_certfile": str(files.cert), "ssl_keyfile": str(files.key)}
+        verify = ssl.create_default_context(cafile=str(files.ca_cert))
+    config = uvicorn.Config(app, host="127.0.0.1", port=0, http=HeadHoldingHttpToolsProtocol,
+                            log_config=None, lifespan="off", **tls)
+    server = uvicorn.Server(config)
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        await asyncio.sleep(0.01)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    scheme = "https" if use_tls else "http"
+    try:
+        async with httpx.AsyncClient(base_url=f"{scheme}://127.0.0.1:{port}", verify=verify) as client:
+            for _ in range(3):  # one keep-alive connection, reused
+                r = await client.get("/")
+                assert (r.status_code, r.content) == (200, b"hello")
+            r = await client.get("/stream")
+            assert (r.status_code, r.content) == (200, b"x0x1x2")
+            r = await client.get("/nope")
+            assert (r.status_code, r.content) == (404, b"missing")
+            r = await client.head("/")
+            assert (r.status_code, r.content) == (200, b"")
+    finally:
+        server.should_exit = True
+        await task
