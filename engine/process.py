@@ -17,7 +17,7 @@ from pathlib import Path
 
 from engine.client import StreamingFront, _Stream
 from engine.config import EngineConfig
-from engine.process_child import DeterminismSummary, Ready, child_main
+from engine.process_child import DeterminismSummary, Ready, child_main, recv, send
 from engine.request import RequestOutput
 from engine.stats import EngineStats
 
@@ -115,7 +115,10 @@ class ProcessLLMEngine(StreamingFront):
 
     def _submit(self, request_id: str, stream: _Stream, request: tuple) -> None:
         self._streams[request_id] = stream  # before the death check: a sweep after it reaches this one
-        if not self.is_running or not self._send(("add", request_id, *request)):
+        # Not ``is_running``: its waitpid() is a syscall per request, and a dead child fails the send
+        # (its end of the pipe is closed) or, sent just before, the sweep ``_end`` makes.
+        is_started = self._reader is not None or self._loop is not None
+        if not is_started or self._is_dead or not self._send(("add", request_id, *request)):
             self._streams.pop(request_id, None)
             raise RuntimeError("engine process is not running (call start())") from self.error
 
@@ -130,14 +133,14 @@ class ProcessLLMEngine(StreamingFront):
         """Whether ``message`` reached the pipe (not if the child is gone or the pipe closed)."""
         try:
             with self._send_lock:
-                self._conn.send(message)
+                send(self._conn, message)
         except (OSError, ValueError):
             return False
         return True
 
     def _read(self) -> None:
         try:
-            while self._take(self._conn.recv()):
+            while self._take(recv(self._conn)):
                 pass
         except (EOFError, OSError):
             pass
@@ -147,7 +150,7 @@ class ProcessLLMEngine(StreamingFront):
         """The event loop's reader: every message the pipe holds now."""
         try:
             while self._conn.poll():
-                if not self._take(self._conn.recv()):
+                if not self._take(recv(self._conn)):
                     break
             else:
                 return
