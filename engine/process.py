@@ -77,8 +77,12 @@ class ProcessLLMEngine(StreamingFront):
 
     @property
     def is_running(self) -> bool:
-        is_started = self._reader is not None or self._loop is not None
-        return is_started and not self._is_dead and self._proc.is_alive()
+        return self._is_serving and self._proc.is_alive()
+
+    @property
+    def _is_serving(self) -> bool:
+        """Started and not known dead, without asking the OS (``is_running`` also waits on the pid)."""
+        return (self._reader is not None or self._loop is not None) and not self._is_dead
 
     def start(self) -> None:
         """Start taking the child's outputs: called in a running event loop, that loop reads the pipe
@@ -117,8 +121,7 @@ class ProcessLLMEngine(StreamingFront):
         self._streams[request_id] = stream  # before the death check: a sweep after it reaches this one
         # Not ``is_running``: its waitpid() is a syscall per request, and a dead child fails the send
         # (its end of the pipe is closed) or, sent just before, the sweep ``_end`` makes.
-        is_started = self._reader is not None or self._loop is not None
-        if not is_started or self._is_dead or not self._send(("add", request_id, *request)):
+        if not self._is_serving or not self._send(("add", request_id, *request)):
             self._streams.pop(request_id, None)
             raise RuntimeError("engine process is not running (call start())") from self.error
 
