@@ -4,15 +4,35 @@ from __future__ import annotations
 
 from typing import Any
 
-from litestar import Controller, Request, Response, get, post
-from litestar.response import Stream
+from litestar import Controller, asgi, get
+from litestar.exceptions import MethodNotAllowedException
+from litestar.types import Receive, Scope, Send
 
+from gateway.asgi_io import ClientGone, read_body, send_reply
 from gateway.auth import DEFER_AUTH_AUDIT
 from gateway.body import parse_body
 from gateway.guards import requires_tenant
 from gateway.runtime import Runtime
 from gateway.schemas.openai import ChatCompletionRequest, CompletionRequest
 from gateway.services import completions
+
+
+async def _complete(
+    scope: Scope,
+    receive: Receive,
+    send: Send,
+    schema: type[ChatCompletionRequest] | type[CompletionRequest],
+    kind: str,
+) -> None:
+    if scope["method"] != "POST":
+        raise MethodNotAllowedException(headers={"Allow": "POST"})
+    runtime: Runtime = scope["app"].state.runtime
+    try:
+        raw = await read_body(scope, receive, runtime.settings.max_body_bytes)
+    except ClientGone:
+        return  # nobody to answer; the key middleware still records the request's auth.success
+    reply = await completions.handle(runtime, scope["user"], parse_body(raw, schema), kind, scope.get("auth"))
+    await send_reply(reply, receive, send)
 
 
 def _model_card(runtime: Runtime) -> dict[str, Any]:
@@ -31,39 +51,34 @@ class OpenAIController(Controller):
     path = "/v1"
     guards = [requires_tenant]
 
-    # The two completion handlers take their runtime and principal from the request rather than by
-    # injection: Litestar resolves two or more dependencies concurrently, in a task group of its own.
-    @post("/chat/completions", status_code=200, opt={DEFER_AUTH_AUDIT: True})
-    async def chat_completions(self, request: Request) -> Response[Any] | Stream:
-        """Create a chat completion (``stream: true`` for server-sent events).
+    # The two completion endpoints are ASGI handlers (``gateway.asgi_io`` says why): Litestar routes,
+    # authenticates, guards and renders their errors, and they read the body and send the reply themselves.
+    @asgi("/chat/completions", opt={DEFER_AUTH_AUDIT: True}, copy_scope=False)
+    async def chat_completions(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """``POST``: create a chat completion (``stream: true`` for server-sent events).
 
-        Returns:
-            A ``chat.completion`` object, or an SSE stream of ``chat.completion.chunk`` ending in ``[DONE]``.
+        Replies with a ``chat.completion`` object, or an SSE stream of ``chat.completion.chunk`` ending in
+        ``[DONE]``.
 
         Raises:
             InvalidRequest: Malformed body (400).
             PolicyViolation: Over the tenant's limits, e.g. ``context_length_exceeded`` (400).
             QuotaExceeded: Over a rate or quota (429, with ``Retry-After``).
         """
-        body = parse_body(await request.body(), ChatCompletionRequest)
-        runtime: Runtime = request.app.state.runtime
-        return await completions.handle(runtime, request.user, body, "chat", request.scope.get("auth"))
+        await _complete(scope, receive, send, ChatCompletionRequest, "chat")
 
-    @post("/completions", status_code=200, opt={DEFER_AUTH_AUDIT: True})
-    async def text_completions(self, request: Request) -> Response[Any] | Stream:
-        """Create a text completion (legacy endpoint; ``stream: true`` for SSE).
+    @asgi("/completions", opt={DEFER_AUTH_AUDIT: True}, copy_scope=False)
+    async def text_completions(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """``POST``: create a text completion (legacy endpoint; ``stream: true`` for SSE).
 
-        Returns:
-            A ``text_completion`` object or an SSE stream of them ending in ``[DONE]``.
+        Replies with a ``text_completion`` object or an SSE stream of them ending in ``[DONE]``.
 
         Raises:
             InvalidRequest: Malformed body (400).
             PolicyViolation: Over the tenant's limits (400).
             QuotaExceeded: Over a rate or quota (429).
         """
-        body = parse_body(await request.body(), CompletionRequest)
-        runtime: Runtime = request.app.state.runtime
-        return await completions.handle(runtime, request.user, body, "text", request.scope.get("auth"))
+        await _complete(scope, receive, send, CompletionRequest, "text")
 
     @get("/models", sync_to_thread=False)
     def list_models(self, runtime: Runtime) -> dict[str, Any]:

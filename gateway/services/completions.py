@@ -3,17 +3,15 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 import anyio
 import structlog
-from litestar import Response
-from litestar.background_tasks import BackgroundTask
-from litestar.response import Stream
 
 from engine.errors import InvalidRequestError
 from gateway import openai_format as fmt
+from gateway.asgi_io import StreamReply, WholeReply
 from gateway.audit_hook import AuditUnavailableError, DeferredEvent
 from gateway.errors import ClientError, InvalidRequest, ServiceUnavailable
 from gateway.runtime import Runtime
@@ -103,7 +101,7 @@ async def _finish(rt: Runtime, adm: Admission, progress: _Progress) -> None:
         )
 
 
-def _start(rt: Runtime, adm: Admission) -> AsyncIterator[Any]:
+def _start(rt: Runtime, adm: Admission) -> AsyncGenerator[Any, None]:
     return rt.engine.generate(
         adm.prompt_token_ids,
         adm.params,
@@ -113,7 +111,7 @@ def _start(rt: Runtime, adm: Admission) -> AsyncIterator[Any]:
     )
 
 
-async def _first(rt: Runtime, adm: Admission, progress: _Progress) -> tuple[AsyncIterator[Any], Any]:
+async def _first(rt: Runtime, adm: Admission, progress: _Progress) -> tuple[AsyncGenerator[Any, None], Any]:
     """Start the request and wait for its first output, so engine-side validation errors are still 4xx."""
     gen = _start(rt, adm)
     try:
@@ -128,12 +126,12 @@ async def _first(rt: Runtime, adm: Admission, progress: _Progress) -> tuple[Asyn
     return gen, out
 
 
-async def _finish_soon(rt: Runtime, adm: Admission, progress: _Progress) -> BackgroundTask | None:
+async def _finish_soon(rt: Runtime, adm: Admission, progress: _Progress) -> asyncio.Future | None:
     """Finish a whole response's request: now, or, where this process's transactions run in the order
     they start (SQLite's writer), as a task started here, whose settlement transaction is queued before
     the response is even sent. Any later request of this process is then admitted after the settlement
     (a one-at-a-time tenant's next request finds its slot free); the client just does not wait for the
-    commit. Returns the response's background task, which waits for the settlement, or ``None``."""
+    commit. Returns that task, for the reply to await once it is sent, or ``None``."""
     if not rt.txn.is_ordered or adm.retain_days:  # retention awaits its own write before the settlement
         await _finish(rt, adm, progress)
         return None
@@ -141,12 +139,7 @@ async def _finish_soon(rt: Runtime, adm: Admission, progress: _Progress) -> Back
     # without awaiting anything before it (``_finish`` reaches ``TxnRunner.run`` synchronously).
     finishing = asyncio.ensure_future(_finish(rt, adm, progress))
     rt.keep_finishing(finishing)
-    return BackgroundTask(_wait_for, finishing)
-
-
-async def _wait_for(work: asyncio.Future) -> None:
-    # A coroutine function: Litestar runs any other background callable in a worker thread.
-    await asyncio.shield(work)
+    return finishing
 
 
 async def _is_committed(adm: Admission) -> bool:
@@ -164,7 +157,7 @@ async def _until_committed(adm: Admission) -> None:
         await adm.reservation.committed
 
 
-async def _run_whole(rt: Runtime, adm: Admission) -> Response[Any]:
+async def _run_whole(rt: Runtime, adm: Admission) -> WholeReply:
     progress = _Progress()
     try:
         gen, out = await _first(rt, adm, progress)
@@ -175,7 +168,7 @@ async def _run_whole(rt: Runtime, adm: Admission) -> Response[Any]:
     except BaseException:
         await _finish(rt, adm, progress)
         raise
-    background = await _finish_soon(rt, adm, progress)
+    finishing = await _finish_soon(rt, adm, progress)
     last = progress.last
     usage = fmt.usage_dict(*progress.usage(adm))
     body = fmt.full_response(
@@ -188,7 +181,7 @@ async def _run_whole(rt: Runtime, adm: Admission) -> Response[Any]:
         rt.token_text,
         system_fingerprint=last.system_fingerprint,
     )
-    return Response(body, headers=adm.headers, background=background)
+    return WholeReply(body, adm.headers, finishing)
 
 
 def _chunks(
@@ -222,8 +215,14 @@ def _chunk(adm: Admission, choices: list[dict[str, Any]], include_usage: bool, u
 
 
 async def _stream(
-    rt: Runtime, adm: Admission, gen: AsyncIterator[Any], first: Any, progress: _Progress, include_usage: bool
-) -> AsyncIterator[bytes]:
+    rt: Runtime,
+    adm: Admission,
+    gen: AsyncGenerator[Any, None],
+    first: Any,
+    progress: _Progress,
+    include_usage: bool,
+) -> AsyncGenerator[bytes, None]:
+    """The SSE chunks; the reply's ``finish`` settles the request once they end, however they end."""
     try:
         if adm.kind == "chat":
             roles = [fmt.role_choice(i) for i in range(adm.params.n)]
@@ -253,7 +252,7 @@ async def _stream(
             }
         )
     finally:
-        await _finish(rt, adm, progress)
+        await gen.aclose()  # a request that did not end is aborted (the settlement aborts it too)
 
 
 async def _admit_audited(
@@ -286,9 +285,10 @@ async def handle(
     req: ChatCompletionRequest | CompletionRequest,
     kind: str,
     auth_event: DeferredEvent | None = None,
-) -> Response[Any] | Stream:
+) -> WholeReply | StreamReply:
     """Admit, run and answer one completion request (``kind`` is ``chat`` or ``text``); ``auth_event`` is
-    the request's deferred ``auth.success`` (see ``gateway.auth.DEFER_AUTH_AUDIT``)."""
+    the request's deferred ``auth.success`` (see ``gateway.auth.DEFER_AUTH_AUDIT``). The reply settles
+    the request's usage once sent (``gateway.asgi_io.send_reply``)."""
     adm = await _admit_audited(rt, principal, req, kind, auth_event)
     if not req.stream:
         return await _run_whole(rt, adm)
@@ -300,8 +300,8 @@ async def handle(
         await _finish(rt, adm, progress)
         raise
     headers = adm.headers | {"cache-control": "no-cache", "x-accel-buffering": "no"}
-    return Stream(
+    return StreamReply(
         _stream(rt, adm, gen, first, progress, req.include_usage),
-        media_type="text/event-stream",
-        headers=headers,
+        headers,
+        lambda: _finish(rt, adm, progress),
     )
