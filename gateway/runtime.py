@@ -18,6 +18,7 @@ from gateway.openai_format import TokenText
 from gateway.secrets import Hasher, load_or_create_pepper
 from gateway.services.quota import QuotaService
 from gateway.services.receipts import prompt_ids_hash
+from gateway.services.segment_cache import SegmentCache
 from gateway.services.slots import Slots
 from gateway.settings import Settings
 from gateway.storage.db import make_db_engine, make_sessionmaker
@@ -45,6 +46,7 @@ class Runtime:
     quota: QuotaService = field(init=False)
     metrics: GatewayMetrics = field(init=False)
     token_text: TokenText = field(init=False)
+    segments: SegmentCache = field(init=False)  # a chat's pieces seen before, per namespace
     retention: RetentionStore = field(init=False)
     _lease_task: asyncio.Task | None = field(init=False, default=None)
     _finishing: set[asyncio.Future] = field(init=False, default_factory=set)
@@ -83,6 +85,7 @@ class Runtime:
             self.engine.start()
             log.info("engine.started", model=self.engine.model_name, max_model_len=self.engine.max_model_len)
         self.token_text = TokenText(self.engine.tokenizer)
+        self.segments = SegmentCache(self.engine.tokenizer)
 
     def _make_engine(self) -> Any:
         if not self.settings.engine_process:

@@ -20,6 +20,7 @@ from gateway.services import retention
 from gateway.services.keys import Principal
 from gateway.services.quota import Reservation
 from gateway.services.ratelimit import RateLimitInfo
+from gateway.services.segment_cache import SegmentCache
 from gateway.services.tenants import current_policy
 from policies import Decision, Policy, RequestContext, evaluate
 
@@ -56,9 +57,15 @@ class Admission:
         )
 
 
-def chat_token_ids(tokenizer: Any, req: ChatCompletionRequest) -> list[int]:
+def chat_token_ids(
+    tokenizer: Any,
+    req: ChatCompletionRequest,
+    segments: SegmentCache | None = None,
+    namespace: str | None = None,
+) -> list[int]:
     """The prompt token ids of a chat request: the model's chat template with the generation prompt.
-    ``kvgate replay`` calls this too, so a replayed prompt is rendered exactly as the gateway did."""
+    ``kvgate replay`` calls this too, so a replayed prompt is rendered exactly as the gateway did.
+    ``segments`` reuses the ids of pieces ``namespace`` sent before (the same ids, see its module)."""
     messages = [
         {"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages
     ]
@@ -70,6 +77,8 @@ def chat_token_ids(tokenizer: Any, req: ChatCompletionRequest) -> list[int]:
             param="messages",
         ) from None
     # What apply_chat_template(tokenize=True) does: the rendered text without added special tokens.
+    if segments is not None:
+        return segments.encode(text, namespace)
     return encode(tokenizer, text, add_special_tokens=False)
 
 
@@ -102,15 +111,34 @@ def _prompt_chars(req: ChatCompletionRequest | CompletionRequest) -> int:
     return len(prompt[0]) if isinstance(prompt[0], str) else len(prompt) * 8
 
 
-async def tokenize(tokenizer: Any, req: ChatCompletionRequest | CompletionRequest) -> list[int]:
-    fn = chat_token_ids if isinstance(req, ChatCompletionRequest) else text_token_ids
-    if _prompt_chars(req) <= _INLINE_TOKENIZE_CHARS:
-        ids = fn(tokenizer, req)
+async def tokenize(
+    tokenizer: Any,
+    req: ChatCompletionRequest | CompletionRequest,
+    segments: SegmentCache | None = None,
+    namespace: str | None = None,
+) -> list[int]:
+    """The request's prompt ids; a chat's through ``segments`` (under ``namespace``) when given."""
+    if isinstance(req, ChatCompletionRequest):
+        args: tuple[Any, ...] = (tokenizer, req, segments, namespace)
+        fn: Any = chat_token_ids
     else:
-        ids = await asyncio.to_thread(fn, tokenizer, req)
+        args, fn = (tokenizer, req), text_token_ids
+    if _prompt_chars(req) <= _INLINE_TOKENIZE_CHARS:
+        ids = fn(*args)
+    else:
+        ids = await asyncio.to_thread(fn, *args)
     if not ids:
         raise InvalidRequest("The prompt is empty.", param="prompt")
     return ids
+
+
+def _segment_namespace(policy: Policy, principal: Principal) -> str | None:
+    """Whose earlier pieces a prompt may reuse: the prefix cache's sharing scope, applied to tokenizing."""
+    if policy.prefix_cache_scope == "request":
+        return None
+    if policy.prefix_cache_scope == "key":
+        return f"k:{principal.key_id}"
+    return f"t:{principal.tenant_id}"
 
 
 def _namespace(decision: Decision, principal: Principal) -> bytes:
@@ -176,7 +204,7 @@ async def _decide(
     if policy is None:
         async with rt.sessionmaker() as session:
             policy = await current_policy(session, principal.tenant_id, rt.settings.default_policy)
-    prompt_ids = await tokenize(engine.tokenizer, req)
+    prompt_ids = await tokenize(engine.tokenizer, req, rt.segments, _segment_namespace(policy, principal))
     ctx = RequestContext(
         model=req.model,
         num_prompt_tokens=len(prompt_ids),
