@@ -39,3 +39,27 @@ def bench_determinism(
     from bench.determinism_bench import run_determinism_bench
 
     run_determinism_bench(num_requests=num_requests, out=out, modes=modes.split(","), seed=seed)
+
+
+@bench_app.command("chat-tokenize")
+def bench_chat_tokenize(
+    turns: int = typer.Option(20, help="Turns of the growing conversation"),
+    repeats: int = typer.Option(5, help="Fresh conversations per turn (the median is reported)"),
+    user_words: int = typer.Option(40, help="Words of real text per user message"),
+    answer_words: int = typer.Option(120, help="Words of real text per assistant answer"),
+    model: str = typer.Option(None, help="Model directory or .gguf whose tokenizer to use (default model)"),
+    out: str = typer.Option("bench-results/chat-tokenize.json", help="Where to write the JSON results"),
+    seed: int = typer.Option(0),
+) -> None:
+    """Admission's tokenizing of a growing chat, whole against through the segment cache."""
+    from bench.chat_tokenize_bench import format_table, run_chat_tokenize_bench, write_results
+    from engine.loader import load_tokenizer, resolve_model_dir
+
+    tokenizer = load_tokenizer(resolve_model_dir(model))
+    rows = run_chat_tokenize_bench(tokenizer, turns=turns, repeats=repeats, user_words=user_words,
+                                   answer_words=answer_words, seed=seed)
+    config = {"turns": turns, "repeats": repeats, "user_words": user_words, "answer_words": answer_words,
+              "model": model or "default", "seed": seed}
+    write_results(rows, config, out)
+    typer.echo(format_table(rows))
+    typer.echo(f"JSON: {out}")
