@@ -5,8 +5,8 @@ with the history, and a cold core (the usual state between requests) pays ~3x th
 tokenizer splits its input at its added tokens (``<|im_start|>``, ``<|im_end|>``, ...) before anything
 else and then handles each piece on its own, so the ids of a rendered chat are the concatenation of each
 piece's ids with the added tokens' ids between them. This module makes that split itself and keeps each
-piece's ids in an LRU keyed by (namespace, piece): a conversation's earlier messages, and a fixed system
-prompt, are tokenized once.
+piece's ids in an LRU keyed by (namespace, BLAKE2b-128 of the piece): a conversation's earlier messages,
+and a fixed system prompt, are tokenized once, and no prompt text outlives its request here.
 
 Exactness: the split is the tokenizer's own first pass, leftmost-longest matches of the added tokens that
 are matched before normalization, which this module reproduces only when none of them strips whitespace
@@ -21,6 +21,7 @@ means one tenant's volume can evict another's entries, which tells it nothing ab
 
 from __future__ import annotations
 
+import hashlib
 import re
 import threading
 from array import array
@@ -65,7 +66,7 @@ class SegmentCache:
         split = _splitter(self._backend)
         self._pattern, self._added_ids = split if split is not None else (None, {})
         self.max_entries, self.max_tokens = max_entries, max_tokens
-        self._entries: OrderedDict[tuple[str, str], array] = OrderedDict()
+        self._entries: OrderedDict[tuple[str, bytes], array] = OrderedDict()
         self._num_tokens = 0
         self._lock = threading.Lock()
         self.num_hits = self.num_misses = 0
@@ -99,7 +100,8 @@ class SegmentCache:
         return self._backend.encode(text, add_special_tokens=False).ids
 
     def _piece(self, namespace: str, piece: str) -> array | list[int]:
-        key = (namespace, piece)
+        digest = hashlib.blake2b(piece.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+        key = (namespace, digest)
         with self._lock:
             hit = self._entries.get(key)
             if hit is not None:
