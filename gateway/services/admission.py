@@ -132,21 +132,18 @@ async def tokenize(
     return ids
 
 
-def _segment_namespace(policy: Policy, principal: Principal) -> str | None:
-    """Whose earlier pieces a prompt may reuse: the prefix cache's sharing scope, applied to tokenizing."""
-    if policy.prefix_cache_scope == "request":
+def _sharer(scope: str, principal: Principal) -> str | None:
+    """Who shares what a request leaves cached under a prefix-cache ``scope``: the tenant, the key, or
+    nobody (``request``)."""
+    if scope == "request":
         return None
-    if policy.prefix_cache_scope == "key":
-        return f"k:{principal.key_id}"
-    return f"t:{principal.tenant_id}"
+    return f"k:{principal.key_id}" if scope == "key" else f"t:{principal.tenant_id}"
 
 
 def _namespace(decision: Decision, principal: Principal) -> bytes:
-    if decision.cache_scope == "request":
-        return b"r:" + secrets.token_bytes(16)
-    if decision.cache_scope == "key":
-        return f"k:{principal.key_id}".encode()
-    return f"t:{principal.tenant_id}".encode()
+    """The engine's prefix-cache namespace: the sharer's, or one of the request's own."""
+    sharer = _sharer(decision.cache_scope, principal)
+    return b"r:" + secrets.token_bytes(16) if sharer is None else sharer.encode()
 
 
 def _seed(req: ChatCompletionRequest | CompletionRequest) -> int | None:
@@ -204,7 +201,8 @@ async def _decide(
     if policy is None:
         async with rt.sessionmaker() as session:
             policy = await current_policy(session, principal.tenant_id, rt.settings.default_policy)
-    prompt_ids = await tokenize(engine.tokenizer, req, rt.segments, _segment_namespace(policy, principal))
+    sharer = _sharer(policy.prefix_cache_scope, principal)  # tokenized pieces are shared as KV blocks are
+    prompt_ids = await tokenize(engine.tokenizer, req, rt.segments, sharer)
     ctx = RequestContext(
         model=req.model,
         num_prompt_tokens=len(prompt_ids),

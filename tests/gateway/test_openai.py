@@ -156,3 +156,32 @@ def test_sse_payload_is_compact_json():
     from gateway.openai_format import sse
 
     assert sse({"a": 1}) == b"data: " + orjson.dumps({"a": 1}) + b"\n\n"
+
+
+async def test_prefix_cache_is_shared_only_within_the_policys_scope(gw):
+    """tenant: its keys share cached blocks, other tenants do not; key: only the same key; request:
+    nobody, not even the same key twice."""
+    model = gw.runtime.engine.model_name
+    prompt = "a prompt long enough to fill a few KV blocks of the tiny engine " * 4
+
+    async def cached(key: str) -> int:
+        r = await gw.client.post("/v1/completions", headers={"Authorization": f"Bearer {key}"},
+                                 json={"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0})
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    async def second_key(tenant_id: str) -> str:
+        r = await gw.client.post(f"/admin/v1/tenants/{tenant_id}/keys", headers=gw.admin(), json={})
+        return r.json()["key"]
+
+    tid, key = await gw.make_tenant()
+    assert await cached(key) == 0
+    assert await cached(await second_key(tid)) > 0  # another key of the same tenant
+    _, other = await gw.make_tenant()
+    assert await cached(other) == 0  # another tenant, the same text
+    tid, key = await gw.make_tenant(policy=Policy(prefix_cache_scope="key"))
+    assert await cached(key) == 0
+    assert await cached(await second_key(tid)) == 0
+    assert await cached(key) > 0
+    _, key = await gw.make_tenant(policy=Policy(prefix_cache_scope="request"))
+    assert await cached(key) == 0 and await cached(key) == 0
