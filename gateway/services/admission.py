@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import secrets
 import time
 import uuid
@@ -20,7 +21,7 @@ from gateway.services import retention
 from gateway.services.keys import Principal
 from gateway.services.quota import Reservation
 from gateway.services.ratelimit import RateLimitInfo
-from gateway.services.segment_cache import SegmentCache
+from gateway.services.segment_cache import SegmentCache, encode
 from gateway.services.tenants import current_policy
 from policies import Decision, Policy, RequestContext, evaluate
 
@@ -82,15 +83,6 @@ def chat_token_ids(
     return encode(tokenizer, text, add_special_tokens=False)
 
 
-def encode(tokenizer: Any, text: str, *, add_special_tokens: bool) -> list[int]:
-    """``tokenizer(text)["input_ids"]``, straight through a fast tokenizer's Rust backend when it has one:
-    the same ids, without transformers' batch wrapping around a single text (a third of the cost)."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None:
-        return list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
-    return backend.encode(text, add_special_tokens=add_special_tokens).ids
-
-
 def text_token_ids(tokenizer: Any, req: CompletionRequest) -> list[int]:
     """The prompt token ids of a text completion: given ids as they are, text with special tokens."""
     prompt = req.prompt
@@ -119,14 +111,10 @@ async def tokenize(
 ) -> list[int]:
     """The request's prompt ids; a chat's through ``segments`` (under ``namespace``) when given."""
     if isinstance(req, ChatCompletionRequest):
-        args: tuple[Any, ...] = (tokenizer, req, segments, namespace)
-        fn: Any = chat_token_ids
+        fn = functools.partial(chat_token_ids, tokenizer, req, segments, namespace)
     else:
-        args, fn = (tokenizer, req), text_token_ids
-    if _prompt_chars(req) <= _INLINE_TOKENIZE_CHARS:
-        ids = fn(*args)
-    else:
-        ids = await asyncio.to_thread(fn, *args)
+        fn = functools.partial(text_token_ids, tokenizer, req)
+    ids = fn() if _prompt_chars(req) <= _INLINE_TOKENIZE_CHARS else await asyncio.to_thread(fn)
     if not ids:
         raise InvalidRequest("The prompt is empty.", param="prompt")
     return ids

@@ -32,6 +32,15 @@ MAX_ENTRIES = 65_536
 MAX_TOKENS = 1 << 21  # ids held in all (4 bytes each)
 
 
+def encode(tokenizer: Any, text: str, *, add_special_tokens: bool) -> list[int]:
+    """``tokenizer(text)["input_ids"]``, straight through a fast tokenizer's Rust backend when it has one:
+    the same ids, without transformers' batch wrapping around a single text (a third of the cost)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+    return backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+
 def _splitter(backend: Any) -> tuple[re.Pattern[str], dict[str, int]] | None:
     """The pattern of the tokenizer's first split and the ids of what it matches; ``None`` when this
     module cannot reproduce that split exactly."""
@@ -61,9 +70,8 @@ class SegmentCache:
     def __init__(
         self, tokenizer: Any, *, max_entries: int = MAX_ENTRIES, max_tokens: int = MAX_TOKENS
     ) -> None:
-        self._backend = getattr(tokenizer, "backend_tokenizer", None)
         self._tokenizer = tokenizer
-        split = _splitter(self._backend)
+        split = _splitter(getattr(tokenizer, "backend_tokenizer", None))
         self._pattern, self._added_ids = split if split is not None else (None, {})
         self.max_entries, self.max_tokens = max_entries, max_tokens
         self._entries: OrderedDict[tuple[str, bytes], array] = OrderedDict()
@@ -82,7 +90,7 @@ class SegmentCache:
     def encode(self, text: str, namespace: str | None) -> list[int]:
         """The ids of ``text`` without added special tokens; ``namespace`` ``None`` caches nothing."""
         if self._pattern is None or namespace is None:
-            return self._encode(text)
+            return encode(self._tokenizer, text, add_special_tokens=False)
         ids: list[int] = []
         start = 0
         for match in self._pattern.finditer(text):
@@ -94,11 +102,6 @@ class SegmentCache:
             ids += self._piece(namespace, text[start:])
         return ids
 
-    def _encode(self, text: str) -> list[int]:
-        if self._backend is None:
-            return list(self._tokenizer(text, add_special_tokens=False)["input_ids"])
-        return self._backend.encode(text, add_special_tokens=False).ids
-
     def _piece(self, namespace: str, piece: str) -> array | list[int]:
         digest = hashlib.blake2b(piece.encode("utf-8", "surrogatepass"), digest_size=16).digest()
         key = (namespace, digest)
@@ -109,7 +112,7 @@ class SegmentCache:
                 self.num_hits += 1
                 return hit
             self.num_misses += 1
-        ids = self._encode(piece)
+        ids = encode(self._tokenizer, piece, add_special_tokens=False)
         if len(ids) > self.max_tokens:
             return ids
         stored = array("I", ids)
