@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Sequence
 
 import pytest
 from litestar.exceptions.http_exceptions import RequestEntityTooLarge
@@ -25,7 +26,7 @@ def _receiver(*messages: dict):
     return receive
 
 
-def _scope(headers: list[tuple[bytes, bytes]] = ()) -> dict:  # type: ignore[assignment]
+def _scope(headers: Sequence[tuple[bytes, bytes]] = ()) -> dict:
     return {"type": "http", "method": "POST", "headers": list(headers)}
 
 
