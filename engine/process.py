@@ -17,7 +17,7 @@ from pathlib import Path
 
 from engine.client import StreamingFront, _Stream
 from engine.config import EngineConfig
-from engine.process_child import DeterminismSummary, Ready, child_main, recv, send
+from engine.process_child import DeterminismSummary, PipePoll, Ready, child_main, recv, send
 from engine.request import RequestOutput
 from engine.stats import EngineStats
 
@@ -56,6 +56,7 @@ class ProcessLLMEngine(StreamingFront):
             self._proc.join(10)
             raise
         self._stats = ready.stats
+        self._has_message = PipePoll(self._conn)
         self._streams: dict[str, _Stream] = {}
         self._send_lock = threading.Lock()
         self._reader: threading.Thread | None = None
@@ -152,7 +153,7 @@ class ProcessLLMEngine(StreamingFront):
     def _on_readable(self) -> None:
         """The event loop's reader: every message the pipe holds now."""
         try:
-            while self._conn.poll():
+            while self._has_message():
                 if not self._take(recv(self._conn)):
                     break
             else:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import pickle
+import select
 import signal
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -49,6 +50,20 @@ def recv(conn: Any) -> Any:
     return pickle.loads(conn.recv_bytes())
 
 
+class PipePoll:
+    """``conn.poll(timeout)`` on one poll object made once: multiprocessing's ``poll`` builds, registers
+    and closes a selector on every call, three calls a request on each end of this pipe. Like ``poll``,
+    it reports a closed peer as readable (the ``recv`` that follows raises ``EOFError``)."""
+
+    def __init__(self, conn: Any) -> None:
+        self._poller = select.poll()
+        self._poller.register(conn.fileno(), select.POLLIN)
+
+    def __call__(self, timeout_s: float = 0.0) -> bool:
+        """Whether a message (or the end of the pipe) is waiting, after up to ``timeout_s`` seconds."""
+        return bool(self._poller.poll(round(timeout_s * 1000)))
+
+
 def _portable(e: BaseException) -> BaseException:
     """``e`` if it survives a trip through pickle, else a ``RuntimeError`` saying what it was."""
     try:
@@ -90,12 +105,13 @@ def child_main(config: EngineConfig, conn: Any, initializer: Callable[..., None]
 
 
 def _serve(engine: Any, conn: Any) -> None:
+    has_message = PipePoll(conn)
     while True:
-        if not engine.has_unfinished() and not conn.poll(_POLL_S):
+        if not engine.has_unfinished() and not has_message(_POLL_S):
             continue
         outputs: list[tuple[str, RequestOutput | BaseException]] = []
         is_changed = False
-        while conn.poll():
+        while has_message():
             cmd = recv(conn)
             if cmd[0] == "stop":
                 return
