@@ -7,6 +7,7 @@ from typing import Any
 import structlog
 from litestar import Request, Response
 from litestar.exceptions import HTTPException
+from sqlalchemy.exc import DBAPIError
 
 from gateway.audit_hook import AuditUnavailableError
 
@@ -150,6 +151,21 @@ def _audit_unavailable_handler(_: Request, exc: Exception) -> Response[Any]:
     )
 
 
+def _database_error_handler(request: Request, exc: DBAPIError) -> Response[Any]:
+    """A lost database connection (its server restarted: the pool reconnects for the next request) is a
+    503 the client may retry; any other database error is a 500."""
+    if not exc.connection_invalidated:
+        return _unhandled_handler(request, exc)
+    log.error("database.connection_lost", exc_info=exc)
+    return error_response(
+        503,
+        "The database connection was lost; retry the request.",
+        "server_error",
+        "database_unavailable",
+        headers={"Retry-After": "1"},
+    )
+
+
 def _unhandled_handler(_: Request, exc: Exception) -> Response[Any]:
     log.error("request.unhandled", error_type=type(exc).__name__, exc_info=exc)
     return error_response(500, "Internal server error.", "server_error")
@@ -159,5 +175,6 @@ exception_handlers = {
     AuditUnavailableError: _audit_unavailable_handler,
     GatewayError: _gateway_error_handler,
     HTTPException: _http_exception_handler,
+    DBAPIError: _database_error_handler,
     Exception: _unhandled_handler,
 }

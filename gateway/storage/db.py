@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
+from typing import Any
 
-from sqlalchemy import event
+from sqlalchemy import event, exc
 from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker, create_async_engine
 from sqlalchemy.pool import NullPool
+
+# A pooled PostgreSQL connection is pinged before use only when it has sat in the pool this long.
+# SQLAlchemy's ``pool_pre_ping`` pings on every checkout, and its asyncpg ping is BEGIN, an empty query
+# and ROLLBACK: three round trips before each transaction, nine a completion request. A connection used
+# moments ago is alive unless its server just went away, which its first statement then finds (that
+# transaction fails, and SQLAlchemy invalidates the pool, so the next ones reconnect).
+IDLE_PING_S = 5.0
+_CHECKED_IN_AT = "kvgate_checked_in_at"
 
 
 def default_db_url(data_dir: Path) -> str:
@@ -51,7 +61,30 @@ def make_db_engine(url: str, *, null_pool: bool = False) -> AsyncEngine:
         engine = create_async_engine(url, pool_size=5, max_overflow=10)
         event.listen(engine.sync_engine, "connect", sqlite_pragmas)
         return engine
-    return create_async_engine(url, pool_size=10, max_overflow=20, pool_pre_ping=True)
+    engine = create_async_engine(url, pool_size=10, max_overflow=20)
+    event.listen(engine.sync_engine.pool, "checkin", _note_checkin)
+    event.listen(engine.sync_engine.pool, "checkout", _ping_if_idle)
+    return engine
+
+
+def _note_checkin(dbapi_conn: Any, record: Any) -> None:
+    if dbapi_conn is not None:  # None: the connection was invalidated
+        record.info[_CHECKED_IN_AT] = time.monotonic()
+
+
+def _ping_if_idle(dbapi_conn: Any, record: Any, _proxy: Any) -> None:
+    """Ping a connection idle for ``IDLE_PING_S`` or more (``record.info`` starts empty for a new one).
+
+    Raises:
+        DisconnectionError: It does not answer; the pool drops it and checks out another.
+    """
+    checked_in_at = record.info.get(_CHECKED_IN_AT)
+    if checked_in_at is None or time.monotonic() - checked_in_at < IDLE_PING_S:
+        return
+    try:
+        dbapi_conn.ping()
+    except Exception as e:  # noqa: BLE001  (whatever a dead connection raises)
+        raise exc.DisconnectionError(f"pooled connection idle {IDLE_PING_S:g}s+ did not answer") from e
 
 
 def make_sessionmaker(engine: AsyncEngine) -> async_sessionmaker:
