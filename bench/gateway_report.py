@@ -53,9 +53,11 @@ def print_summary(rows: list[dict[str, Any]], out: str | None) -> None:
                   f"{engine[row['load']]['req_per_s']:.0f}; added p50 {row['added_p50_ms']:.2f} ms, p99 "
                   f"{row['added_p99_ms']:.2f} ms is queueing at capacity, not judged against the target")
             continue
+        ratio = row.get("p50_over_engine")
         print(f"https-chat {where}: added p50 {row['added_p50_ms']:.2f} ms, "
               f"p99 {row['added_p99_ms']:.2f} ms (target {TARGET_ADDED_P50_MS} / {TARGET_ADDED_P99_MS}): "
-              f"{'met' if row['meets_target'] else 'MISSED'}")
+              f"{'met' if row['meets_target'] else 'MISSED'}"
+              + (f"; p50 {ratio:.2f}x the engine's" if ratio is not None else ""))
         if "added_paced_p50_ms" in row:
             print(f"  against the engine at the gateway's pace (engine-paced): added p50 "
                   f"{row['added_paced_p50_ms']:.2f} ms, p99 {row['added_paced_p99_ms']:.2f} ms")

@@ -32,6 +32,7 @@ def test_small_run_measures_gateway_and_engine_side_by_side(tmp_path, tiny_model
         chat, engine = rows[("https-chat", c)], rows[("engine", c)]
         assert chat["kind"] == "chat" and engine["kind"] == "engine"
         assert chat["added_p50_ms"] == pytest.approx(chat["p50_ms"] - engine["p50_ms"])
+        assert chat["p50_over_engine"] == pytest.approx(chat["p50_ms"] / engine["p50_ms"])
         assert isinstance(chat.get("meets_target"), bool) == (c == "1")  # 2 clients: capacity, not judged
         # CPU clocks tick every 10 ms, so six requests may read 0: only the shape is checked here.
         assert chat["client_cpu_ms_per_req"] >= 0 and engine["client_cpu_ms_per_req"] is None
@@ -49,6 +50,7 @@ def test_small_run_measures_gateway_and_engine_side_by_side(tmp_path, tiny_model
     printed = capsys.readouterr().out
     assert format_table(report["results"]) in printed
     assert "https-chat closed loop at concurrency 1: added" in printed and "open loop at 200 req/s" in printed
+    assert f"p50 {rows[('https-chat', '1')]['p50_over_engine']:.2f}x the engine's" in printed
     assert "https-chat closed loop at concurrency 2: " in printed and "queueing at capacity" in printed
     assert not (tmp_path / "data" / "fsync-probe").stat().st_size % 512
 
