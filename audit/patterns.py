@@ -38,7 +38,10 @@ _SUBSTITUTIONS: tuple[tuple[re.Pattern[str], str], ...] = (
     (re.compile(r"\bhf_[A-Za-z0-9]{30,}"), "[REDACTED:hf-token]"),
     (re.compile(r"[A-Za-z0-9._%+\-]+@[A-Za-z0-9\-]+(?:\.[A-Za-z0-9\-]+)*\.[A-Za-z]{2,}"), "[REDACTED:email]"),
 )
-_CARD_RE = re.compile(r"(?<![0-9A-Za-z])(?:[0-9][ \-]?){12,18}[0-9](?![0-9A-Za-z])")
+# 13-19 digits (any script's: fullwidth too) in groups split by up to three spaces, no-break spaces,
+# hyphens or dashes ("4111 - 1111 ..."), not inside a word (a hex id may carry a Luhn-valid run). Dots
+# and slashes are not separators: an epoch time with decimals would be a Luhn-valid run one time in ten.
+_CARD_RE = re.compile(r"(?<![\dA-Za-z])(?:\d[ \-\u00a0\u2010-\u2015]{0,3}){12,18}\d(?![\dA-Za-z])")
 
 
 def _scoped(pattern: re.Pattern[str]) -> str:
@@ -67,7 +70,7 @@ def is_luhn_valid(digits: str) -> bool:
 
 
 def _card_sub(match: re.Match[str]) -> str:
-    digits = re.sub(r"[ \-]", "", match.group(0))
+    digits = "".join(str(int(ch)) for ch in match.group(0) if ch.isdecimal())
     if 13 <= len(digits) <= 19 and is_luhn_valid(digits):
         return "[REDACTED:card]"
     return match.group(0)

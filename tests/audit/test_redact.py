@@ -133,6 +133,20 @@ def test_digit_runs_inside_identifiers_are_not_card_numbers():
     assert scrub_text("card 4111 1111 1111 1111.") == "card [REDACTED:card]."
 
 
+@pytest.mark.parametrize("text", [
+    "4111  1111  1111  1111", "4111 - 1111 - 1111 - 1111", "4111\u00a01111\u00a01111\u00a01111",
+    "4111\u20131111\u20131111\u20131111", "\uff14" + "\uff11" * 15, "3782 822463 10005",
+])
+def test_card_numbers_in_other_spacings_and_digits_are_removed(text: str) -> None:
+    assert scrub_text(f"pay with {text} now") == "pay with [REDACTED:card] now"
+
+
+def test_dotted_and_slashed_digit_runs_are_not_card_numbers() -> None:
+    # 17324400001234561 is Luhn-valid: an epoch time with decimals must survive as it is.
+    for text in ("t=1732440000.1234561 s", "4111.1111.1111.1111", "4111/1111/1111/1111"):
+        assert scrub_text(text) == text
+
+
 def _scrub_every_pattern(text: str) -> str:
     """scrub_text without its one-scan shortcut: every substitution, always."""
     from audit.patterns import _CARD_RE, _SUBSTITUTIONS, _card_sub
