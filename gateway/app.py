@@ -60,7 +60,10 @@ class GatewayPlugin(InitPluginProtocol):
         )
 
     def _configure_security(self, cfg: AppConfig) -> None:
-        cfg.middleware.append(DefineMiddleware(ApiKeyAuthMiddleware, exclude=[*PUBLIC_PATHS, "^/schema"]))
+        # Every method needs a key, OPTIONS too (Litestar lets it through by default, for CORS
+        # preflights, which this API does not serve: the guards then refused it as keyless, a 403).
+        cfg.middleware.append(DefineMiddleware(ApiKeyAuthMiddleware, exclude=[*PUBLIC_PATHS, "^/schema"],
+                                               exclude_http_methods=()))
 
     def _configure_lifespan(self, cfg: AppConfig) -> None:
         runtime, has_custom_sink = self.runtime, self.has_custom_sink

@@ -120,6 +120,19 @@ async def test_unknown_route_and_method(ctx):
     assert r.status_code == 405 and "error" in r.json()
 
 
+async def test_options_needs_a_key_like_every_other_method(ctx):
+    """No CORS is served, so OPTIONS is not let through unauthenticated: with a tenant key a completion
+    endpoint says which method it takes; without one it is a 401 (it was a 403 tenant_key_required)."""
+    gw, h, _ = ctx
+    for path in ("/v1/chat/completions", "/v1/completions"):
+        r = await gw.client.options(path, headers=h)
+        assert r.status_code == 405 and r.headers["allow"] == "POST", r.text
+        r = await gw.client.options(path)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "missing_api_key", r.text
+    r = await gw.client.options("/v1/models", headers=h)
+    assert r.status_code < 300 and "GET" in r.headers["allow"], r.text
+
+
 @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
 @given(
     data=st.recursive(
