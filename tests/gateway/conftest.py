@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from litestar.testing import AsyncTestClient
+from sqlalchemy import text
 
 from gateway.app import create_app
 from gateway.services import keys, tenants
@@ -282,3 +283,19 @@ async def open_runner(url: str, **kwargs: object) -> AsyncIterator[tuple[object,
     finally:
         await runner.close()
         await db.dispose()
+
+
+async def backend_pid(engine: object) -> int:
+    """The PostgreSQL backend serving the connection ``engine``'s pool hands out next."""
+    async with engine.begin() as conn:  # type: ignore[attr-defined]
+        return (await conn.execute(text("SELECT pg_backend_pid()"))).scalar_one()
+
+
+async def terminate_backend(url: str, pid: int) -> None:
+    """End PostgreSQL backend ``pid`` from a connection of its own, as a server restart would."""
+    other = make_db_engine(url)
+    try:
+        async with other.begin() as conn:
+            assert (await conn.execute(text("SELECT pg_terminate_backend(:pid)"), {"pid": pid})).scalar_one()
+    finally:
+        await other.dispose()

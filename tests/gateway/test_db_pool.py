@@ -1,17 +1,19 @@
 """PostgreSQL connection pool: a connection is pinged only after sitting idle, and a dead one is replaced;
 a lost connection is a 503 the client may retry."""
 
+from collections.abc import AsyncIterator
+
 import orjson
 import pytest
-from sqlalchemy import text
 from sqlalchemy.dialects.postgresql.asyncpg import AsyncAdapt_asyncpg_connection
 from sqlalchemy.exc import DBAPIError
+from sqlalchemy.ext.asyncio import AsyncEngine
 
 from gateway.errors import exception_handlers
 from gateway.storage import db as db_module
 from gateway.storage.db import make_db_engine
 
-from .conftest import PG_HOST, PG_PORT
+from .conftest import PG_HOST, PG_PORT, backend_pid, terminate_backend
 
 
 @pytest.fixture
@@ -35,62 +37,45 @@ def pings(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return calls
 
 
-async def _backend_pid(engine) -> int:  # type: ignore[no-untyped-def]
-    async with engine.begin() as conn:
-        return (await conn.execute(text("SELECT pg_backend_pid()"))).scalar_one()
-
-
-async def _terminate(url: str, pid: int) -> None:
-    other = make_db_engine(url)
-    try:
-        async with other.begin() as conn:
-            assert (await conn.execute(text("SELECT pg_terminate_backend(:pid)"), {"pid": pid})).scalar_one()
-    finally:
-        await other.dispose()
+@pytest.fixture
+async def pool(pg_url: str) -> AsyncIterator[AsyncEngine]:
+    """A pooled engine, as ``kvgate serve`` makes it."""
+    engine = make_db_engine(pg_url)
+    yield engine
+    await engine.dispose()
 
 
 @pytest.mark.postgres
-async def test_a_connection_used_moments_ago_is_not_pinged(pg_url: str, pings: list[int],
+async def test_a_connection_used_moments_ago_is_not_pinged(pool: AsyncEngine, pings: list[int],
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    engine = make_db_engine(pg_url)
-    try:
-        pid = await _backend_pid(engine)
-        assert await _backend_pid(engine) == pid and await _backend_pid(engine) == pid
-        assert pings == []
-        monkeypatch.setattr(db_module, "IDLE_PING_S", 0.0)  # now every checked-in connection counts as idle
-        assert await _backend_pid(engine) == pid
-        assert pings == [1]
-    finally:
-        await engine.dispose()
+    pid = await backend_pid(pool)
+    assert await backend_pid(pool) == pid and await backend_pid(pool) == pid
+    assert pings == []
+    monkeypatch.setattr(db_module, "IDLE_PING_S", 0.0)  # now every checked-in connection counts as idle
+    assert await backend_pid(pool) == pid
+    assert pings == [1]
 
 
 @pytest.mark.postgres
-async def test_an_idle_connection_whose_server_went_away_is_replaced(pg_url: str, pings: list[int],
+async def test_an_idle_connection_whose_server_went_away_is_replaced(pool: AsyncEngine, pg_url: str,
+                                                                     pings: list[int],
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    engine = make_db_engine(pg_url)
-    try:
-        pid = await _backend_pid(engine)
-        await _terminate(pg_url, pid)
-        monkeypatch.setattr(db_module, "IDLE_PING_S", 0.0)
-        assert await _backend_pid(engine) != pid  # the ping failed, the pool connected afresh
-        assert pings == [1]
-    finally:
-        await engine.dispose()
+    pid = await backend_pid(pool)
+    await terminate_backend(pg_url, pid)
+    monkeypatch.setattr(db_module, "IDLE_PING_S", 0.0)
+    assert await backend_pid(pool) != pid  # the ping failed, the pool connected afresh
+    assert pings == [1]
 
 
 @pytest.mark.postgres
 async def test_a_recently_used_dead_connection_fails_one_transaction_then_the_pool_reconnects(
-        pg_url: str) -> None:
-    engine = make_db_engine(pg_url)
-    try:
-        pid = await _backend_pid(engine)
-        await _terminate(pg_url, pid)
-        with pytest.raises(DBAPIError) as caught:
-            await _backend_pid(engine)
-        assert caught.value.connection_invalidated
-        assert await _backend_pid(engine) != pid
-    finally:
-        await engine.dispose()
+        pool: AsyncEngine, pg_url: str) -> None:
+    pid = await backend_pid(pool)
+    await terminate_backend(pg_url, pid)
+    with pytest.raises(DBAPIError) as caught:
+        await backend_pid(pool)
+    assert caught.value.connection_invalidated
+    assert await backend_pid(pool) != pid
 
 
 @pytest.mark.parametrize("is_lost", [True, False])

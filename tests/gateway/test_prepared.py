@@ -3,14 +3,14 @@
 from datetime import UTC, datetime
 
 import pytest
-from sqlalchemy import Connection, bindparam, insert, select, text
+from sqlalchemy import Connection, bindparam, insert, select
 from sqlalchemy.exc import DBAPIError, IntegrityError
 
 from audit.prepared import execute, execute_many
 from gateway.storage.db import make_db_engine
 from gateway.storage.models import AdminToken
 
-from .conftest import open_runner
+from .conftest import backend_pid, open_runner, terminate_backend
 
 _TOKENS = AdminToken.__table__
 _INSERT = insert(_TOKENS).values(id=bindparam("id"), name=bindparam("name"), secret_hash="0" * 64,
@@ -55,14 +55,7 @@ async def test_postgresql_errors_are_sqlalchemys(db_url: str) -> None:
         with pytest.raises(IntegrityError):
             async with db.begin() as conn:
                 await conn.run_sync(lambda c: (execute(c, _INSERT, row), execute(c, _INSERT, row)))
-        async with db.begin() as conn:
-            pid = (await conn.execute(text("SELECT pg_backend_pid()"))).scalar_one()
-        other = make_db_engine(db_url)
-        try:
-            async with other.begin() as conn:
-                await conn.execute(text("SELECT pg_terminate_backend(:pid)"), {"pid": pid})
-        finally:
-            await other.dispose()
+        await terminate_backend(db_url, await backend_pid(db))
         # The pool's one connection, used moments ago, is not pinged: its first statement finds it gone.
         with pytest.raises(DBAPIError) as caught:
             async with db.begin() as conn:
