@@ -11,51 +11,81 @@ from collections.abc import AsyncIterator, Sequence
 
 from engine.config import EngineConfig
 from engine.core import LLMEngine
-from engine.request import RequestOutput, SamplingParams
+from engine.errors import EngineUnavailableError
+from engine.request import RequestDelta, RequestOutput, SamplingParams
 from engine.stats import EngineStats
+from engine.stream_output import OutputAccumulator
 
 logger = logging.getLogger("kvgate.engine")
 
 
 class _Stream:
-    __slots__ = ("loop", "queue")
+    """One request's outputs on their way to the caller's event loop.
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    Deltas are folded into an ``OutputAccumulator`` as they come, and the caller takes everything new at
+    once: a caller that stops reading holds one request's output, not a queue of per-step copies.
+    """
+
+    __slots__ = ("loop", "acc", "error", "_waiter")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, request_id: str) -> None:
         self.loop = loop
-        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.acc = OutputAccumulator(request_id)
+        self.error: BaseException | None = None
+        self._waiter: asyncio.Future | None = None
 
-    def put(self, item: RequestOutput | BaseException) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+    def push(self, item: RequestDelta | BaseException) -> None:
+        """Take a delta (or the request's error); on the loop's own thread."""
+        if isinstance(item, BaseException):
+            self.error = self.error or item
+        else:
+            self.acc.add(item)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    def put(self, item: RequestDelta | BaseException) -> None:
+        """``push`` from any thread."""
+        self.loop.call_soon_threadsafe(self.push, item)
+
+    async def get(self) -> RequestOutput:
+        """Everything since the previous call, waiting for it; raises the request's error after the
+        outputs that came before it."""
+        while not self.acc.is_pending:
+            if self.error is not None:
+                raise self.error
+            self._waiter = self.loop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        return self.acc.snapshot()
 
 
 class StreamingFront:
-    """``generate`` for async engine fronts: each request's outputs arrive on a ``_Stream`` that the front
+    """``generate`` for async engine fronts: each request's deltas arrive on a ``_Stream`` that the front
     fills from wherever its engine runs (``_submit`` starts a request, ``abort`` ends one early)."""
 
     async def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                        request_id: str | None = None, *, cache_namespace: bytes = b"",
                        priority: int = 0) -> AsyncIterator[RequestOutput]:
-        """Submit a request and yield its incremental outputs until it finishes.
+        """Submit a request and yield its outputs until it finishes; each output's ``new_*`` fields hold
+        everything since the previous one (several engine steps' worth when the caller fell behind).
 
         Raises:
             InvalidRequestError: On bad input, before anything is yielded.
-            RuntimeError: The engine is not running or died.
+            EngineUnavailableError: The engine is not running, or died while serving the request.
         """
         request_id = request_id or uuid.uuid4().hex
-        stream = _Stream(asyncio.get_running_loop())
+        stream = _Stream(asyncio.get_running_loop(), request_id)
         # The engine's validation error, if any, comes back as the stream's first item: no separate
         # acknowledgement (one wake-up of this loop less per request, in the middle of its first step).
         self._submit(request_id, stream, (prompt, params, cache_namespace, priority))
         finished = False
         try:
-            while True:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    raise item
+            while not finished:
+                item = await stream.get()
                 finished = item.finished
                 yield item
-                if finished:
-                    return
         finally:
             self._forget(request_id)
             if not finished:
@@ -119,7 +149,7 @@ class AsyncLLMEngine(StreamingFront):
 
     def _submit(self, request_id: str, stream: _Stream, request: tuple) -> None:
         if not self.is_running:
-            raise RuntimeError("engine loop is not running (call start())")
+            raise EngineUnavailableError("engine loop is not running (call start())") from self.error
         self._commands.put(("add", request_id, *request, stream))
 
     def abort(self, request_id: str) -> None:
@@ -138,7 +168,7 @@ class AsyncLLMEngine(StreamingFront):
                 return
             self._streams[request_id] = stream
         elif cmd[0] == "abort":
-            out = self.engine.abort(cmd[1])
+            out = self.engine.abort_delta(cmd[1])
             stream = self._streams.pop(cmd[1], None)
             if stream is not None and out is not None:
                 stream.put(out)
@@ -159,7 +189,7 @@ class AsyncLLMEngine(StreamingFront):
                 self._drain(block=not self.engine.has_unfinished())
                 if not self.engine.has_unfinished():
                     continue
-                for out in self.engine.step():
+                for out in self.engine.step_deltas():
                     stream = self._streams.get(out.request_id)
                     if stream is not None:
                         stream.put(out)
@@ -172,7 +202,7 @@ class AsyncLLMEngine(StreamingFront):
         finally:
             err = self.error or RuntimeError("engine shut down")
             for request_id, stream in list(self._streams.items()):
-                self.engine.abort(request_id)
-                stream.put(RuntimeError(f"request {request_id} ended: {err}"))
+                self.engine.abort_delta(request_id)
+                stream.put(EngineUnavailableError(f"request {request_id} ended: {err}"))
             self._streams.clear()
 

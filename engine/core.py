@@ -16,10 +16,11 @@ from engine.hashing import BlockHasher
 from engine.kv_cache_manager import KVCacheManager
 from engine.model_runner import ModelRunner
 from engine.outputs import RequestState
-from engine.request import RequestOutput, RequestStatus, SamplingParams, Sequence
+from engine.request import RequestDelta, RequestOutput, RequestStatus, SamplingParams, Sequence
 from engine.scheduler import Scheduler
 from engine.setup import LoadedModel, load_model, setup_determinism
 from engine.stats import EngineStats, StatsTracker
+from engine.stream_output import OutputAccumulator
 
 logger = logging.getLogger("kvgate.engine")
 _RESERVED_NS = b"\xffkvgate:"  # namespaces the engine derives itself (callers may not start with it)
@@ -50,6 +51,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.loaded.model, self.loaded.kv_caches, config.block_size,
                                   self.loaded.device)
         self.requests: dict[str, RequestState] = {}
+        self._accumulators: dict[str, OutputAccumulator] = {}  # ``step``'s whole outputs, per request
         self._seq_ids = itertools.count()
         self._rng = random.Random(config.seed)
         self.stats_tracker = StatsTracker()
@@ -130,6 +132,11 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Abort a request, freeing its blocks at once. Unknown or finished ids are ignored."""
+        delta = self.abort_delta(request_id)
+        return None if delta is None else self._assemble(delta)
+
+    def abort_delta(self, request_id: str) -> RequestDelta | None:
+        """``abort``, answering with the request's last delta instead of its whole output."""
         state = self.requests.pop(request_id, None)
         if state is None:
             return None
@@ -137,7 +144,7 @@ class LLMEngine:
             if not seq.is_finished:
                 self.scheduler.finish(seq, RequestStatus.FINISHED_ABORTED)
         self._zero_freed_blocks()
-        return state.make_output()
+        return state.make_delta()
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -157,6 +164,20 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run one forward pass, sample, and return outputs of requests that progressed."""
+        return [self._assemble(delta) for delta in self.step_deltas()]
+
+    def _assemble(self, delta: RequestDelta) -> RequestOutput:
+        acc = self._accumulators.get(delta.request_id)
+        if acc is None:
+            acc = self._accumulators[delta.request_id] = OutputAccumulator(delta.request_id)
+        acc.add(delta)
+        if delta.finished:
+            del self._accumulators[delta.request_id]
+        return acc.snapshot()
+
+    def step_deltas(self) -> list[RequestDelta]:
+        """``step``, returning what each progressed request produced in this step only (what the engine
+        process sends: its size does not grow with the requests' lengths)."""
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
@@ -180,12 +201,12 @@ class LLMEngine:
             touched[seq.request_id] = state
         self._zero_freed_blocks()  # freed by finished requests: now, not when the next request comes
         self.stats_tracker.record_step(sched.num_tokens, len(tokens), time.perf_counter() - t0)
-        outputs = []
+        deltas = []
         for request_id, state in touched.items():
-            outputs.append(state.make_output())
+            deltas.append(state.make_delta())
             if state.finished:
                 del self.requests[request_id]
-        return outputs
+        return deltas
 
     def generate(self, prompts: str | Seq[int] | list,
                  params: SamplingParams | list[SamplingParams] | None = None,

@@ -15,3 +15,7 @@ class PromptTooLongError(InvalidRequestError):
 
 class ModelLoadError(ValueError):
     """The model is missing, corrupt or of an unsupported architecture."""
+
+
+class EngineUnavailableError(RuntimeError):
+    """The engine cannot serve now: its process died or is being restarted. A retry can succeed."""

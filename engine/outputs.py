@@ -1,14 +1,14 @@
-"""Per-request output state: stop conditions, incremental text, and the RequestOutput snapshots."""
+"""Per-request output state: stop conditions, incremental text, and each step's RequestDelta."""
 
 from __future__ import annotations
 
 from engine.determinism import FAST, token_hash_chain
 from engine.detokenizer import IncrementalDetokenizer
 from engine.request import (
-    CompletionOutput,
+    RequestDelta,
     RequestMetrics,
-    RequestOutput,
     RequestStatus,
+    SampleDelta,
     SamplingParams,
     Sequence,
     TokenLogprobs,
@@ -42,6 +42,7 @@ class RequestState:
         self.samples = [_SampleText(IncrementalDetokenizer(tokenizer, prompt_ids, params.skip_special_tokens))
                         for _ in seqs]
         self._max_stop = max((len(s) for s in params.stop), default=0)
+        self._is_first = True  # the first delta carries the prompt's ids
 
     @property
     def finished(self) -> bool:
@@ -82,25 +83,27 @@ class RequestState:
         sample.text = sample.text[:best]
         return True
 
-    def make_output(self) -> RequestOutput:
-        outs = []
+    def make_delta(self) -> RequestDelta:
+        """What each sample produced since the previous delta. Unfinished text is held back by the longest
+        stop string less one character, so a stop string found later is never partly handed out."""
+        samples = []
         for seq, sample in zip(self.seqs, self.samples, strict=True):
             if seq.status is RequestStatus.FINISHED_ABORTED or (seq.is_finished and seq.status is not
                                                                 RequestStatus.FINISHED_STOPPED):
                 sample.text += sample.detok.flush(final=True)
-            ids = seq.output_token_ids
-            finish = seq.status.value if seq.is_finished else None
-            outs.append(CompletionOutput(
-                index=seq.sample_index, token_ids=list(ids), text=sample.text,
-                new_token_ids=ids[sample.sent_tokens:], new_text=sample.text[sample.sent_text:],
-                finish_reason=finish,
-                logprobs=list(seq.logprobs) if self.params.logprobs is not None else None,
-                stop_reason=seq.stop_reason,
-                token_hash=self._token_hash(seq, sample)))
-            sample.sent_tokens, sample.sent_text = len(ids), len(sample.text)
-        return RequestOutput(self.request_id, self.prompt_ids, outs, self.finished,
-                             self.seqs[0].num_cached_tokens, self._metrics(), self.seqs[0].mode,
-                             self.fingerprint)
+            num_out = seq.num_output_tokens
+            new_ids = seq.all_token_ids[seq.prompt_len + sample.sent_tokens:]
+            new_lps = seq.logprobs[sample.sent_tokens:] if self.params.logprobs is not None else None
+            end = len(sample.text) if seq.is_finished else len(sample.text) - max(self._max_stop - 1, 0)
+            new_text = sample.text[sample.sent_text:end] if end > sample.sent_text else ""
+            samples.append(SampleDelta(
+                seq.sample_index, new_ids, new_text, new_lps,
+                finish_reason=seq.status.value if seq.is_finished else None,
+                stop_reason=seq.stop_reason, token_hash=self._token_hash(seq, sample)))
+            sample.sent_tokens, sample.sent_text = num_out, max(sample.sent_text, end)
+        prompt_ids, self._is_first = (self.prompt_ids if self._is_first else None), False
+        return RequestDelta(self.request_id, samples, self.finished, self.seqs[0].num_cached_tokens,
+                            self._metrics(), self.seqs[0].mode, self.fingerprint, prompt_ids)
 
     def _token_hash(self, seq: Sequence, sample: _SampleText) -> str | None:
         """The receipt of a finished fixed/batch_invariant sample (its siblings may run on for steps)."""

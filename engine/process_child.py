@@ -1,18 +1,22 @@
-"""The engine process's side of ``engine.process``: load the engine, report what the parent needs, then run
-commands and steps until told to stop or the parent goes away."""
+"""The engine process: its side of the pipes (``child_main``: load the engine, then run commands and steps
+until told to stop or the parent goes away) and the parent's handle on one such process (``EngineChild``)."""
 
 from __future__ import annotations
 
 import logging
+import multiprocessing
+import os
 import pickle
 import select
 import signal
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from engine.config import EngineConfig
-from engine.request import RequestOutput
+from engine.pipe import FrameReader, FrameWriter, enlarge
+from engine.request import RequestDelta
 from engine.stats import EngineStats
 
 logger = logging.getLogger("kvgate.engine")
@@ -38,30 +42,83 @@ class Ready:
     stats: EngineStats
 
 
-def send(conn: Any, message: tuple) -> None:
-    """``conn.send(message)`` with plain pickle: multiprocessing's pickler copies the copyreg table on
-    every message, a cost paid twice per request on this pipe. The framing is ``send``'s, so either end
-    may still use ``recv``."""
-    conn.send_bytes(pickle.dumps(message, pickle.HIGHEST_PROTOCOL))
-
-
-def recv(conn: Any) -> Any:
-    """The next message ``send`` (or ``conn.send``) wrote."""
-    return pickle.loads(conn.recv_bytes())
-
-
 class PipePoll:
-    """``conn.poll(timeout)`` on one poll object made once: multiprocessing's ``poll`` builds, registers
-    and closes a selector on every call, three calls a request on each end of this pipe. Like ``poll``,
-    it reports a closed peer as readable (the ``recv`` that follows raises ``EOFError``)."""
+    """Whether a descriptor is readable, on one poll object made once (multiprocessing's ``poll`` builds,
+    registers and closes a selector on every call). A closed writer reads as readable."""
 
-    def __init__(self, conn: Any) -> None:
+    def __init__(self, fd: int) -> None:
         self._poller = select.poll()
-        self._poller.register(conn.fileno(), select.POLLIN)
+        self._poller.register(fd, select.POLLIN)
 
     def __call__(self, timeout_s: float = 0.0) -> bool:
-        """Whether a message (or the end of the pipe) is waiting, after up to ``timeout_s`` seconds."""
+        """Whether data (or the end of the pipe) is waiting, after up to ``timeout_s`` seconds."""
         return bool(self._poller.poll(round(timeout_s * 1000)))
+
+
+class EngineChild:
+    """One spawned engine process and the parent's ends of its two pipes (commands down, outputs up).
+
+    Two one-way pipes rather than one socket: the parent's event loop may make the outputs' descriptor
+    non-blocking without touching the commands' one, and each end has one reader and one writer.
+    """
+
+    def __init__(self, config: EngineConfig, initializer: Callable[..., None] | None,
+                 initargs: tuple) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        cmd_r, cmd_w = ctx.Pipe(duplex=False)
+        out_r, out_w = ctx.Pipe(duplex=False)
+        for conn in (cmd_w, out_r):
+            enlarge(conn.fileno())
+        self.proc = ctx.Process(target=child_main, name="kvgate-engine",
+                                args=(config, cmd_r, out_w, initializer, initargs), daemon=True)
+        self.proc.start()
+        cmd_r.close()
+        out_w.close()
+        self._conns = (cmd_w, out_r)  # own the descriptors below
+        self.reader = FrameReader(out_r.fileno())
+        self.writer = FrameWriter(cmd_w.fileno())
+
+    def wait_ready(self, timeout_s: float) -> Ready:
+        """The child's ``Ready``, once it loaded the engine.
+
+        Raises:
+            ModelLoadError / RuntimeError: The child could not load the engine, died, or took too long.
+        """
+        readable, deadline = PipePoll(self.reader.fd), time.monotonic() + timeout_s
+        while not readable(1.0):
+            if time.monotonic() > deadline:
+                self.kill()
+                raise RuntimeError(f"the engine process did not load within {timeout_s:.0f} s")
+        try:
+            kind, payload = self.reader.read_one()
+        except (EOFError, OSError):
+            self.proc.join(5)
+            raise RuntimeError(f"the engine process exited while loading ({self.describe_exit()})") from None
+        if kind != "ready":
+            self.proc.join(5)
+            raise payload
+        return payload
+
+    def set_blocking(self, is_blocking: bool) -> None:
+        os.set_blocking(self.reader.fd, is_blocking)
+        os.set_blocking(self.writer.fd, is_blocking)
+
+    def kill(self) -> None:
+        if self.proc.is_alive():
+            self.proc.kill()
+        self.proc.join(10)
+
+    def describe_exit(self) -> str:
+        code = self.proc.exitcode
+        if code is None:
+            return "still running"
+        if code < 0:
+            return f"killed by {signal.Signals(-code).name}"
+        return f"exit code {code}"
+
+    def close(self) -> None:
+        for conn in self._conns:
+            conn.close()
 
 
 def _portable(e: BaseException) -> BaseException:
@@ -73,67 +130,75 @@ def _portable(e: BaseException) -> BaseException:
     return e
 
 
-def child_main(config: EngineConfig, conn: Any, initializer: Callable[..., None] | None,
-                initargs: tuple) -> None:
+def child_main(config: EngineConfig, cmd_conn: Any, out_conn: Any, initializer: Callable[..., None] | None,
+               initargs: tuple) -> None:
     """The child: load the engine, report what callers need, then serve commands until told to stop or
-    the parent goes away (its end of the pipe closes)."""
+    the parent goes away (its end of the command pipe closes)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent stops us
     if initializer is not None:
         initializer(*initargs)
     from engine.core import LLMEngine
 
+    out = FrameWriter(out_conn.fileno())
     try:
         engine = LLMEngine(config)
     except BaseException as e:  # noqa: BLE001  (reported to the parent, which raises it)
-        conn.send(("failed", _portable(e)))
+        out.write(("failed", _portable(e)))
         return
     det = engine.determinism
     tokenizer_path = config.tokenizer or str(engine.loaded.model_dir)
     summary = DeterminismSummary(tuple(det.modes), dict(det.fingerprints), det.bi_error)
-    conn.send(("ready", Ready(engine.model_name, engine.max_model_len, tokenizer_path, summary,
-                               engine.stats(namespaces=False))))
+    out.write(("ready", Ready(engine.model_name, engine.max_model_len, tokenizer_path, summary,
+                              engine.stats(namespaces=False))))
     try:
-        _serve(engine, conn)
-    except (EOFError, OSError):
-        return  # the parent is gone
+        _serve(engine, FrameReader(cmd_conn.fileno()), out)
+    except EOFError:
+        logger.info("engine process: the gateway closed its pipe; exiting")
+    except OSError as e:
+        logger.error("engine process: its pipe failed (%s: %s); exiting", type(e).__name__, e)
     except BaseException as e:  # noqa: BLE001
         logger.exception("engine loop died")
         try:
-            conn.send(("died", RuntimeError(f"{type(e).__name__}: {e}")))
-        except (OSError, ValueError):
+            out.write(("died", RuntimeError(f"{type(e).__name__}: {e}")))
+        except OSError:
             pass  # the parent is gone too
 
 
-def _serve(engine: Any, conn: Any) -> None:
-    has_message = PipePoll(conn)
+def _serve(engine: Any, commands: FrameReader, out: FrameWriter) -> None:
+    has_message = PipePoll(commands.fd)
     while True:
         if not engine.has_unfinished() and not has_message(_POLL_S):
             continue
-        outputs: list[tuple[str, RequestOutput | BaseException]] = []
+        deltas: list[tuple[str, RequestDelta | BaseException]] = []
         is_changed = False
         while has_message():
-            cmd = recv(conn)
-            if cmd[0] == "stop":
-                return
-            is_changed |= _handle(engine, cmd, outputs)
+            cmds, is_eof = commands.read_available()  # a blocking pipe: one read, perhaps a partial frame
+            for cmd in cmds:
+                if cmd[0] == "stop":
+                    return
+                is_changed |= _handle(engine, cmd, deltas)
+            if is_eof:
+                raise EOFError
+            if not cmds:
+                break  # the rest of a frame is on its way: step meanwhile
         if engine.has_unfinished():
-            outputs += [(out.request_id, out) for out in engine.step()]
+            deltas += [(d.request_id, d) for d in engine.step_deltas()]
             is_changed = True
-        if outputs or is_changed:
-            send(conn, ("out", outputs, engine.stats(namespaces=False)))
+        if deltas or is_changed:
+            out.write(("out", deltas, engine.stats(namespaces=False)))
 
 
-def _handle(engine: Any, cmd: tuple, outputs: list) -> bool:
+def _handle(engine: Any, cmd: tuple, deltas: list) -> bool:
     """Apply one command; whether the engine's state changed."""
     if cmd[0] == "add":
         _, request_id, prompt, params, namespace, priority = cmd
         try:
             engine.add_request(prompt, params, request_id, cache_namespace=namespace, priority=priority)
         except Exception as e:  # noqa: BLE001  (validation errors go back to the caller)
-            outputs.append((request_id, _portable(e)))
+            deltas.append((request_id, _portable(e)))
             return False
         return True
-    out = engine.abort(cmd[1])  # "abort"
-    if out is not None:
-        outputs.append((cmd[1], out))
-    return out is not None
+    delta = engine.abort_delta(cmd[1])  # "abort"
+    if delta is not None:
+        deltas.append((cmd[1], delta))
+    return delta is not None

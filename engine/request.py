@@ -205,6 +205,37 @@ class CompletionOutput:
 
 
 @dataclass(slots=True)
+class SampleDelta:
+    """What one sample produced since its previous delta: new tokens, text and logprobs only."""
+
+    index: int
+    new_token_ids: list[int]
+    new_text: str
+    new_logprobs: list[TokenLogprobs] | None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    token_hash: str | None = None
+
+
+@dataclass(slots=True)
+class RequestDelta:
+    """One step's progress of a request, what crosses the engine pipe: its size grows with the step's
+    new tokens, never with the request's length (``engine.stream_output`` assembles the outputs).
+
+    ``prompt_token_ids`` is set on a request's first delta only.
+    """
+
+    request_id: str
+    samples: list[SampleDelta]
+    finished: bool
+    num_cached_tokens: int
+    metrics: RequestMetrics
+    determinism: str = "fast"
+    system_fingerprint: str = ""
+    prompt_token_ids: list[int] | None = None
+
+
+@dataclass(slots=True)
 class RequestOutput:
     """What the engine hands back for a request, incrementally and at the end.
 

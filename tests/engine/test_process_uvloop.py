@@ -1,0 +1,66 @@
+"""ProcessLLMEngine read by a uvloop event loop, as ``kvgate serve`` runs it: large outputs, many streams."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import uvloop
+
+from engine import EngineConfig, SamplingParams
+from engine.process import ProcessLLMEngine
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def _on_uvloop(coro_fn):
+    """Run ``coro_fn()`` on a fresh uvloop loop (pytest-asyncio's loop is plain asyncio)."""
+    return uvloop.run(coro_fn())
+
+
+async def _collect(engine, prompt, params):
+    last = None
+    async for out in engine.generate(prompt, params):
+        last = out
+    return last
+
+
+def test_n8_top_logprobs_20_completes_on_uvloop(tiny_llama_dir):
+    # Each step's message holds 8 samples' logprobs (20 alternatives each): far larger than a pipe's
+    # buffer after a few dozen tokens, so it arrives in pieces on the non-blocking fd uvloop reads.
+    config = EngineConfig(model=str(tiny_llama_dir), num_kv_blocks=256, max_model_len=512)
+    params = SamplingParams(n=8, temperature=1.0, seed=1, max_tokens=256, logprobs=20, ignore_eos=True)
+
+    async def main():
+        engine = ProcessLLMEngine(config)
+        engine.start()
+        try:
+            last = await _collect(engine, "Tell me a long story about a lighthouse", params)
+            follow = await _collect(engine, "still there?", SamplingParams(temperature=0, max_tokens=4))
+            return last, follow, engine.is_running
+        finally:
+            engine.shutdown()
+
+    last, follow, is_running = _on_uvloop(main)
+    assert last.finished and len(last.outputs) == 8
+    for o in last.outputs:
+        assert len(o.token_ids) == 256 and len(o.logprobs) == 256
+        assert all(len(lp.top) == 20 for lp in o.logprobs)
+    assert follow.finished and is_running
+
+
+def test_a_flood_of_concurrent_streams_on_uvloop(tiny_llama_dir):
+    config = EngineConfig(model=str(tiny_llama_dir), num_kv_blocks=512, max_model_len=512, max_num_seqs=16)
+    prompt = " ".join(["word"] * 300)
+    params = SamplingParams(temperature=1.0, max_tokens=128, logprobs=5, ignore_eos=True)
+
+    async def main():
+        engine = ProcessLLMEngine(config)
+        engine.start()
+        try:
+            return await asyncio.gather(*(_collect(engine, prompt, params) for _ in range(24)))
+        finally:
+            engine.shutdown()
+
+    results = _on_uvloop(main)
+    assert all(r.finished and len(r.outputs[0].token_ids) == 128 for r in results)
