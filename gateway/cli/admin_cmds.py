@@ -10,6 +10,7 @@ import typer
 
 from gateway.cli import app
 from gateway.cli.common import DataDirOpt, DbUrlOpt, build_settings, run
+from gateway.schemas.admin import MAX_EXPIRES_IN_SECONDS
 from gateway.secrets import Hasher, load_or_create_pepper
 from gateway.services import keys, tenants, usage
 from gateway.storage.db import make_db_engine, make_sessionmaker
@@ -34,6 +35,20 @@ def _with_session(data_dir: Path | None, db_url: str | None, fn):  # type: ignor
             await engine.dispose()
 
     return run(go)
+
+
+def _valid_expiry(value: int | None) -> int | None:
+    if value is not None and not 0 < value <= MAX_EXPIRES_IN_SECONDS:
+        raise typer.BadParameter(
+            f"must be 1 to {MAX_EXPIRES_IN_SECONDS} seconds; omit the option for no expiry (0 is not 'never')"
+        )
+    return value
+
+
+ExpiresOpt = Annotated[
+    int | None,
+    typer.Option("--expires-in-seconds", callback=_valid_expiry, help="Lifetime; omit it for no expiry."),
+]
 
 
 def _print(obj) -> None:  # type: ignore[no-untyped-def]
@@ -107,7 +122,7 @@ def disable_tenant(tenant_id: str, data_dir: DataDirOpt = None, db_url: DbUrlOpt
 def create_key(
     tenant_id: str,
     name: str = "",
-    expires_in_seconds: int | None = None,
+    expires_in_seconds: ExpiresOpt = None,
     data_dir: DataDirOpt = None,
     db_url: DbUrlOpt = None,
 ) -> None:

@@ -8,6 +8,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from policies import Policy
 
+MAX_EXPIRES_IN_SECONDS = 10 * 365 * 86400
+
 
 class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -27,7 +29,8 @@ class TenantOut(_Frozen):
 
 class KeyCreate(_Frozen):
     name: str = Field(default="", max_length=128)
-    expires_in_seconds: int | None = Field(default=None, gt=0, le=10 * 365 * 86400)
+    # Omitted: never expires. 0 and negatives are refused (0 once meant "never", by accident).
+    expires_in_seconds: int | None = Field(default=None, gt=0, le=MAX_EXPIRES_IN_SECONDS)
 
 
 class KeyRotate(_Frozen):

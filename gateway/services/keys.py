@@ -10,8 +10,8 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from audit.prepared import execute
 from gateway.clock import as_utc, utcnow
-from gateway.errors import AuthError, NotFound
-from gateway.schemas.admin import KeyCreated, KeyOut
+from gateway.errors import AuthError, InvalidRequest, NotFound
+from gateway.schemas.admin import MAX_EXPIRES_IN_SECONDS, KeyCreated, KeyOut
 from gateway.secrets import ADMIN_PREFIX, TENANT_PREFIX, Hasher, new_token, parse_token
 from gateway.services.tenants import get_tenant_row, parse_policy
 from gateway.storage.models import AdminToken, ApiKey, PolicyVersion, Tenant
@@ -57,13 +57,36 @@ def key_to_schema(k: ApiKey) -> KeyOut:
     )
 
 
+def expiry(now: datetime, expires_in_seconds: int | None) -> datetime | None:
+    """``now + expires_in_seconds``; ``None`` (never) only when it is omitted.
+
+    Raises:
+        InvalidRequest: Zero, negative or above ten years (0 used to mean "never expires").
+    """
+    if expires_in_seconds is None:
+        return None
+    if not 0 < expires_in_seconds <= MAX_EXPIRES_IN_SECONDS:
+        raise InvalidRequest(
+            f"expires_in_seconds must be between 1 and {MAX_EXPIRES_IN_SECONDS}; omit it for no expiry.",
+            code="invalid_value",
+            param="expires_in_seconds",
+        )
+    return now + timedelta(seconds=expires_in_seconds)
+
+
 async def create_key(
     session: AsyncSession, hasher: Hasher, tenant_id: str, name: str, expires_in_seconds: int | None
 ) -> KeyCreated:
+    """Issue a tenant key, expiring after ``expires_in_seconds`` (``None``: never).
+
+    Raises:
+        InvalidRequest: ``expires_in_seconds`` is not positive.
+        NotFound: Unknown tenant.
+    """
+    now = utcnow()
+    expires = expiry(now, expires_in_seconds)
     await get_tenant_row(session, tenant_id)
     key_id, secret, token = new_token(TENANT_PREFIX)
-    now = utcnow()
-    expires = now + timedelta(seconds=expires_in_seconds) if expires_in_seconds else None
     row = ApiKey(
         id=key_id,
         tenant_id=tenant_id,
