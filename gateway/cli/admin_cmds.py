@@ -22,7 +22,7 @@ from gateway.storage.db import make_db_engine, make_sessionmaker
 from policies import Policy
 
 admin_app = typer.Typer(
-    help="Administer tenants, keys and policies directly in the database.", no_args_is_help=True
+    help="Administer admin tokens, tenants, keys and policies directly in the database.", no_args_is_help=True
 )
 app.add_typer(admin_app, name="admin")
 
@@ -101,8 +101,7 @@ def bootstrap(
     force: Annotated[bool, typer.Option(help="Issue another token even if one exists.")] = False,
     expires_in_seconds: ExpiresOpt = None,
 ) -> None:
-    """Create the first admin token, with every scope, and print it once (refuses if one exists, unless
-    --force); audited."""
+    """Issue the first admin token, with every scope, and print it once; audited (another needs --force)."""
     body = AdminTokenCreate(
         name="bootstrap", scopes=tuple(sorted(ADMIN_SCOPES)), expires_in_seconds=expires_in_seconds
     )
@@ -151,7 +150,7 @@ def list_tokens(data_dir: DataDirOpt = None, db_url: DbUrlOpt = None) -> None:
 
 @admin_app.command("revoke-token")
 def revoke_token(token_id: str, data_dir: DataDirOpt = None, db_url: DbUrlOpt = None) -> None:
-    """Revoke an admin token by id (the part after ``kvga_``); audited."""
+    """Revoke an admin token by id (the part after kvga_); audited."""
     _print(_with_audit(data_dir, db_url, lambda s, h, a: admin_tokens.revoke(s, a, token_id)))
 
 
