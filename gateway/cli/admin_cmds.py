@@ -1,4 +1,4 @@
-"""``kvgate admin``: bootstrap the first admin token and manage tenants, keys and policies offline."""
+"""``kvgate admin``: bootstrap and manage admin tokens (audited), and tenants, keys and policies offline."""
 
 from __future__ import annotations
 
@@ -8,15 +8,21 @@ from typing import Annotated
 
 import typer
 
+from audit.sink import store_txn_sink
+from audit.store import AuditStore, AuditUnavailable
+from gateway.audit_hook import AuditHook, AuditUnavailableError, TxnStep
 from gateway.cli import app
 from gateway.cli.common import DataDirOpt, DbUrlOpt, build_settings, run
+from gateway.errors import GatewayError
+from gateway.schemas.admin import ADMIN_SCOPES, MAX_EXPIRES_IN_SECONDS, AdminTokenCreate
 from gateway.secrets import Hasher, load_or_create_pepper
-from gateway.services import keys, tenants, usage
+from gateway.services import admin_tokens, keys, tenants, usage
+from gateway.settings import Settings
 from gateway.storage.db import make_db_engine, make_sessionmaker
 from policies import Policy
 
 admin_app = typer.Typer(
-    help="Administer tenants, keys and policies directly in the database.", no_args_is_help=True
+    help="Administer admin tokens, tenants, keys and policies directly in the database.", no_args_is_help=True
 )
 app.add_typer(admin_app, name="admin")
 
@@ -36,6 +42,51 @@ def _with_session(data_dir: Path | None, db_url: str | None, fn):  # type: ignor
     return run(go)
 
 
+async def _audited(settings: Settings, fn):  # type: ignore[no-untyped-def]
+    """``fn(audit)`` with the audit hook the gateway itself would use: events chained into the audit store
+    inside the transaction of the change (or logged, with ``KVGATE_AUDIT_ENABLED=false``)."""
+    if not settings.audit_enabled:
+        return await fn(AuditHook())
+    store = await AuditStore.open(settings.database_url, settings.data_dir)
+
+    async def run_alone(step: TxnStep, **_: object) -> None:
+        async with store.engine.begin() as conn:
+            await conn.run_sync(step)
+
+    try:
+        hook = AuditHook()
+        hook.set_txn_sink(store_txn_sink(store), run_alone)
+        return await fn(hook)
+    finally:
+        await store.close()
+
+
+def _with_audit(data_dir: Path | None, db_url: str | None, fn):  # type: ignore[no-untyped-def]
+    """``_with_session`` for commands that change admin tokens: ``fn(session, hasher, audit)``."""
+    try:
+        return _with_session(data_dir, db_url, lambda s, h, st: _audited(st, lambda a: fn(s, h, a)))
+    except (AuditUnavailable, AuditUnavailableError) as e:
+        typer.echo(f"not done: the audit trail is unavailable ({e})", err=True)
+        raise typer.Exit(2) from e
+    except GatewayError as e:
+        typer.echo(f"not done: {e.message}", err=True)
+        raise typer.Exit(1) from e
+
+
+def _valid_expiry(value: int | None) -> int | None:
+    if value is not None and not 0 < value <= MAX_EXPIRES_IN_SECONDS:
+        raise typer.BadParameter(
+            f"must be 1 to {MAX_EXPIRES_IN_SECONDS} seconds; omit the option for no expiry (0 is not 'never')"
+        )
+    return value
+
+
+ExpiresOpt = Annotated[
+    int | None,
+    typer.Option("--expires-in-seconds", callback=_valid_expiry, help="Lifetime; omit it for no expiry."),
+]
+
+
 def _print(obj) -> None:  # type: ignore[no-untyped-def]
     if isinstance(obj, list):
         typer.echo(json.dumps([o.model_dump(mode="json") for o in obj], indent=2))
@@ -48,19 +99,23 @@ def bootstrap(
     data_dir: DataDirOpt = None,
     db_url: DbUrlOpt = None,
     force: Annotated[bool, typer.Option(help="Issue another token even if one exists.")] = False,
+    expires_in_seconds: ExpiresOpt = None,
 ) -> None:
-    """Create the first admin token and print it once (refuses if one exists, unless --force)."""
+    """Issue the first admin token, with every scope, and print it once; audited (another needs --force)."""
+    body = AdminTokenCreate(
+        name="bootstrap", scopes=tuple(sorted(ADMIN_SCOPES)), expires_in_seconds=expires_in_seconds
+    )
 
-    async def go(session, hasher, _settings):  # type: ignore[no-untyped-def]
+    async def go(session, hasher, audit):  # type: ignore[no-untyped-def]
         if not force and await keys.has_admin_tokens(session):
             return None
-        return await keys.create_admin_token(session, hasher, "bootstrap")
+        return await admin_tokens.issue(session, hasher, audit, admin_tokens.CLI_ACTOR, body)
 
-    token = _with_session(data_dir, db_url, go)
-    if token is None:
+    created = _with_audit(data_dir, db_url, go)
+    if created is None:
         typer.echo("an admin token already exists; use --force to issue another", err=True)
         raise typer.Exit(1)
-    typer.echo(token)
+    typer.echo(created.token)
 
 
 @admin_app.command("create-token")
@@ -68,17 +123,35 @@ def create_token(
     name: Annotated[str, typer.Argument(help="A label for the token.")],
     scope: Annotated[
         list[str] | None,
-        typer.Option("--scope", help=f"Extra privilege, repeatable: {', '.join(sorted(keys.ADMIN_SCOPES))}."),
+        typer.Option("--scope", help=f"What it may do, repeatable: {', '.join(sorted(ADMIN_SCOPES))}."),
     ] = None,
+    expires_in_seconds: ExpiresOpt = None,
     data_dir: DataDirOpt = None,
     db_url: DbUrlOpt = None,
 ) -> None:
-    """Issue another admin token and print it once; only a --scope retention:read token reads prompts."""
+    """Issue an admin token with the given scopes and print it once; audited."""
     scopes = frozenset(scope or ())
-    if not scopes <= keys.ADMIN_SCOPES:
-        unknown = sorted(scopes - keys.ADMIN_SCOPES)
-        raise typer.BadParameter(f"unknown scope(s) {unknown}", param_hint="--scope")
-    typer.echo(_with_session(data_dir, db_url, lambda s, h, st: keys.create_admin_token(s, h, name, scopes)))
+    if not scopes:
+        raise typer.BadParameter("name at least one scope", param_hint="--scope")
+    if not scopes <= ADMIN_SCOPES:
+        raise typer.BadParameter(f"unknown scope(s) {sorted(scopes - ADMIN_SCOPES)}", param_hint="--scope")
+    body = AdminTokenCreate(name=name, scopes=tuple(sorted(scopes)), expires_in_seconds=expires_in_seconds)
+    created = _with_audit(
+        data_dir, db_url, lambda s, h, a: admin_tokens.issue(s, h, a, admin_tokens.CLI_ACTOR, body)
+    )
+    typer.echo(created.token)
+
+
+@admin_app.command("list-tokens")
+def list_tokens(data_dir: DataDirOpt = None, db_url: DbUrlOpt = None) -> None:
+    """List admin tokens: scopes, expiry, revocation (never the tokens)."""
+    _print(_with_session(data_dir, db_url, lambda s, h, st: admin_tokens.list_tokens(s)))
+
+
+@admin_app.command("revoke-token")
+def revoke_token(token_id: str, data_dir: DataDirOpt = None, db_url: DbUrlOpt = None) -> None:
+    """Revoke an admin token by id (the part after kvga_); audited."""
+    _print(_with_audit(data_dir, db_url, lambda s, h, a: admin_tokens.revoke(s, a, token_id)))
 
 
 @admin_app.command("create-tenant")
@@ -107,7 +180,7 @@ def disable_tenant(tenant_id: str, data_dir: DataDirOpt = None, db_url: DbUrlOpt
 def create_key(
     tenant_id: str,
     name: str = "",
-    expires_in_seconds: int | None = None,
+    expires_in_seconds: ExpiresOpt = None,
     data_dir: DataDirOpt = None,
     db_url: DbUrlOpt = None,
 ) -> None:

@@ -1,4 +1,4 @@
-"""Admin API under ``/admin/v1``: tenants, keys, policies and usage reports (admin tokens only)."""
+"""Admin API under ``/admin/v1``: tenants, keys, policies, usage and admin tokens (scoped admin tokens)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,9 @@ from gateway.body import parse_body
 from gateway.guards import requires_admin
 from gateway.runtime import Runtime
 from gateway.schemas.admin import (
+    AdminTokenCreate,
+    AdminTokenCreated,
+    AdminTokenOut,
     KeyCreate,
     KeyCreated,
     KeyOut,
@@ -21,7 +24,7 @@ from gateway.schemas.admin import (
     TenantOut,
     UsageRow,
 )
-from gateway.services import keys, tenants, usage
+from gateway.services import admin_tokens, keys, tenants, usage
 from gateway.services.keys import Principal
 
 
@@ -162,3 +165,36 @@ class AdminController(Controller):
         if format == "csv":
             return Response(usage.to_csv(rows), media_type="text/csv")
         return Response([r.model_dump(mode="json") for r in rows])
+
+    @get("/admin-tokens")
+    async def list_admin_tokens(self, session: AsyncSession) -> list[AdminTokenOut]:
+        """List every admin token with its scopes and expiry (never the tokens themselves)."""
+        return await admin_tokens.list_tokens(session)
+
+    @post("/admin-tokens", status_code=201)
+    async def create_admin_token(
+        self, request: Request, session: AsyncSession, runtime: Runtime, principal: Principal
+    ) -> AdminTokenCreated:
+        """Issue an admin token; the token is in this response only.
+
+        Args:
+            request: ``{"name", "scopes": [...], "expires_in_seconds"}``; omit the expiry for none.
+
+        Raises:
+            InvalidRequest: Unknown scope, no scope, or an expiry that is not positive (400).
+            Forbidden: A scope the calling token lacks, or an expiry past its own (403).
+        """
+        body = parse_body(await request.body(), AdminTokenCreate)
+        return await admin_tokens.mint(session, runtime.hasher, runtime.audit, principal, body)
+
+    @post("/admin-tokens/{token_id:str}/revoke", status_code=200)
+    async def revoke_admin_token(
+        self, session: AsyncSession, runtime: Runtime, principal: Principal, token_id: str
+    ) -> AdminTokenOut:
+        """Revoke an admin token, effective on its next request.
+
+        Raises:
+            NotFound: No such token (404).
+            Forbidden: The token has scopes the calling token lacks (403).
+        """
+        return await admin_tokens.revoke(session, runtime.audit, token_id, principal)

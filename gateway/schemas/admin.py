@@ -4,9 +4,26 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from policies import Policy
+
+# Admin token scopes: each admin route needs one (``gateway.guards.ADMIN_ROUTE_SCOPES``).
+ADMIN_READ = "admin:read"  # read tenants, keys (never secrets), policies, usage, admin tokens, retention list
+TENANTS_WRITE = "tenants:write"  # create, disable, enable tenants
+POLICY_WRITE = "policy:write"  # store a new policy version
+KEYS_WRITE = "keys:write"  # tenant API keys, and the tenant's retention data key (crypto-shred, purge)
+AUDIT_EXPORT = "audit:export"  # the signed audit bundle
+RETENTION_READ = "retention:read"  # decrypt a retained prompt
+METRICS_READ = "metrics:read"  # /metrics
+TOKENS_WRITE = "tokens:write"  # mint and revoke admin tokens (within the caller's own scopes)
+ADMIN_SCOPES = frozenset({
+    ADMIN_READ, TENANTS_WRITE, POLICY_WRITE, KEYS_WRITE, AUDIT_EXPORT, RETENTION_READ, METRICS_READ,
+    TOKENS_WRITE,
+})
+# What an admin token issued before scopes could do: all but reading retained prompts and minting tokens.
+LEGACY_SCOPES = ADMIN_SCOPES - {RETENTION_READ, TOKENS_WRITE}
+MAX_EXPIRES_IN_SECONDS = 10 * 365 * 86400
 
 
 class _Frozen(BaseModel):
@@ -27,7 +44,8 @@ class TenantOut(_Frozen):
 
 class KeyCreate(_Frozen):
     name: str = Field(default="", max_length=128)
-    expires_in_seconds: int | None = Field(default=None, gt=0, le=10 * 365 * 86400)
+    # Omitted: never expires. 0 and negatives are refused (0 once meant "never", by accident).
+    expires_in_seconds: int | None = Field(default=None, gt=0, le=MAX_EXPIRES_IN_SECONDS)
 
 
 class KeyRotate(_Frozen):
@@ -49,6 +67,36 @@ class KeyCreated(_Frozen):
 
     key: str
     info: KeyOut
+
+
+class AdminTokenCreate(_Frozen):
+    name: str = Field(default="", max_length=128)
+    scopes: tuple[str, ...] = Field(min_length=1, max_length=len(ADMIN_SCOPES))
+    expires_in_seconds: int | None = Field(default=None, gt=0, le=MAX_EXPIRES_IN_SECONDS)
+
+    @field_validator("scopes")
+    @classmethod
+    def _known_scopes(cls, scopes: tuple[str, ...]) -> tuple[str, ...]:
+        unknown = sorted(set(scopes) - ADMIN_SCOPES)
+        if unknown:
+            raise ValueError(f"unknown scopes {unknown}; known: {sorted(ADMIN_SCOPES)}")
+        return scopes
+
+
+class AdminTokenOut(_Frozen):
+    id: str
+    name: str
+    scopes: list[str]
+    created_at: datetime
+    expires_at: datetime | None
+    revoked_at: datetime | None
+
+
+class AdminTokenCreated(_Frozen):
+    """Returned once, at creation: ``token`` is never shown again."""
+
+    token: str
+    info: AdminTokenOut
 
 
 class PolicyPut(_Frozen):

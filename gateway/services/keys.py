@@ -10,24 +10,28 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from audit.prepared import execute
 from gateway.clock import as_utc, utcnow
-from gateway.errors import AuthError, NotFound
-from gateway.schemas.admin import KeyCreated, KeyOut
+from gateway.errors import AuthError, InvalidRequest, NotFound
+from gateway.schemas.admin import (
+    ADMIN_SCOPES,
+    LEGACY_SCOPES,
+    MAX_EXPIRES_IN_SECONDS,
+    RETENTION_READ,  # noqa: F401  (re-exported: where the audit controller and tests take it from)
+    KeyCreated,
+    KeyOut,
+)
 from gateway.secrets import ADMIN_PREFIX, TENANT_PREFIX, Hasher, new_token, parse_token
 from gateway.services.tenants import get_tenant_row, parse_policy
 from gateway.storage.models import AdminToken, ApiKey, PolicyVersion, Tenant
 from policies import Policy
 
 _DUMMY_HASH = "0" * 64
-# Privileges an admin token has only when issued with them (``kvgate admin create-token --scope``).
-RETENTION_READ = "retention:read"
-ADMIN_SCOPES = frozenset({RETENTION_READ})
 
 
 @dataclass(frozen=True, slots=True)
 class Principal:
     """Who is calling. ``kind`` is ``tenant`` (an API key) or ``admin`` (an admin token).
 
-    ``scopes`` are an admin token's extra privileges; plain admin tokens have none.
+    ``scopes`` are what an admin token may do (``gateway.schemas.admin``); ``expires_at`` when it lapses.
     ``policy`` is the tenant's policy as read together with the key (``None``: not read, or no policy).
     """
 
@@ -36,6 +40,7 @@ class Principal:
     tenant_id: str | None = None
     scopes: frozenset[str] = frozenset()
     policy: Policy | None = field(default=None, compare=False)
+    expires_at: datetime | None = None
 
     @property
     def is_admin(self) -> bool:
@@ -57,13 +62,36 @@ def key_to_schema(k: ApiKey) -> KeyOut:
     )
 
 
+def expiry(now: datetime, expires_in_seconds: int | None) -> datetime | None:
+    """``now + expires_in_seconds``; ``None`` (never) only when it is omitted.
+
+    Raises:
+        InvalidRequest: Zero, negative or above ten years (0 used to mean "never expires").
+    """
+    if expires_in_seconds is None:
+        return None
+    if not 0 < expires_in_seconds <= MAX_EXPIRES_IN_SECONDS:
+        raise InvalidRequest(
+            f"expires_in_seconds must be between 1 and {MAX_EXPIRES_IN_SECONDS}; omit it for no expiry.",
+            code="invalid_value",
+            param="expires_in_seconds",
+        )
+    return now + timedelta(seconds=expires_in_seconds)
+
+
 async def create_key(
     session: AsyncSession, hasher: Hasher, tenant_id: str, name: str, expires_in_seconds: int | None
 ) -> KeyCreated:
+    """Issue a tenant key, expiring after ``expires_in_seconds`` (``None``: never).
+
+    Raises:
+        InvalidRequest: ``expires_in_seconds`` is not positive.
+        NotFound: Unknown tenant.
+    """
+    now = utcnow()
+    expires = expiry(now, expires_in_seconds)
     await get_tenant_row(session, tenant_id)
     key_id, secret, token = new_token(TENANT_PREFIX)
-    now = utcnow()
-    expires = now + timedelta(seconds=expires_in_seconds) if expires_in_seconds else None
     row = ApiKey(
         id=key_id,
         tenant_id=tenant_id,
@@ -116,27 +144,43 @@ async def rotate_key(
     return created
 
 
-async def create_admin_token(
-    session: AsyncSession, hasher: Hasher, name: str, scopes: frozenset[str] = frozenset()
-) -> str:
-    """Issue an admin token, optionally with extra ``scopes`` from ``ADMIN_SCOPES``; returns it once.
+def new_admin_token(
+    hasher: Hasher, name: str, scopes: frozenset[str], expires_in_seconds: int | None = None
+) -> tuple[AdminToken, str]:
+    """An admin-token row (not yet added to a session) and the token, which is shown once.
 
     Raises:
         ValueError: An unknown scope.
+        InvalidRequest: ``expires_in_seconds`` is not positive.
     """
     unknown = set(scopes) - ADMIN_SCOPES
     if unknown:
         raise ValueError(f"unknown admin scopes {sorted(unknown)}; known: {sorted(ADMIN_SCOPES)}")
     key_id, secret, token = new_token(ADMIN_PREFIX)
-    session.add(
-        AdminToken(
-            id=key_id,
-            name=name,
-            secret_hash=hasher.hash(key_id, secret),
-            created_at=utcnow(),
-            scopes=" ".join(sorted(scopes)),
-        )
+    now = utcnow()
+    row = AdminToken(
+        id=key_id,
+        name=name,
+        secret_hash=hasher.hash(key_id, secret),
+        created_at=now,
+        expires_at=expiry(now, expires_in_seconds),
+        scopes=" ".join(sorted(scopes)),
     )
+    return row, token
+
+
+async def create_admin_token(
+    session: AsyncSession, hasher: Hasher, name: str, scopes: frozenset[str] = LEGACY_SCOPES
+) -> str:
+    """Issue an admin token with ``scopes`` (default: all but ``retention:read`` and ``tokens:write``).
+
+    Unaudited: for tests and set-up code. ``gateway.services.admin_tokens`` issues audited ones.
+
+    Raises:
+        ValueError: An unknown scope.
+    """
+    row, token = new_admin_token(hasher, name, scopes)
+    session.add(row)
     await session.commit()
     return token
 
@@ -172,9 +216,9 @@ _TENANT_KEY_ROW = (
     .select_from(_KEY.outerjoin(Tenant.__table__, Tenant.id == _KEY.c.tenant_id))
     .where(_KEY.c.id == bindparam("key_id"))
 )
-_ADMIN_ROW = select(AdminToken.id, AdminToken.secret_hash, AdminToken.revoked_at, AdminToken.scopes).where(
-    AdminToken.id == bindparam("key_id")
-)
+_ADMIN_ROW = select(
+    AdminToken.id, AdminToken.secret_hash, AdminToken.revoked_at, AdminToken.scopes, AdminToken.expires_at
+).where(AdminToken.id == bindparam("key_id"))
 
 
 def authenticate(conn: Connection, hasher: Hasher, token: str) -> Principal:
@@ -196,10 +240,11 @@ def authenticate(conn: Connection, hasher: Hasher, token: str) -> Principal:
         raise AuthError("Incorrect API key provided.", code="invalid_api_key")
     now = utcnow()
     if is_admin:
-        key_id, _, revoked_at, scopes = rows[0]
-        if not _is_live(revoked_at, None, now):
-            raise AuthError("Incorrect API key provided.", code="revoked_api_key")
-        return Principal(kind="admin", key_id=key_id, scopes=frozenset((scopes or "").split()))
+        key_id, _, revoked_at, scopes, expires_at = rows[0]
+        if not _is_live(revoked_at, expires_at, now):
+            raise AuthError("Incorrect API key provided.", code="expired_or_revoked_api_key")
+        scope_set = frozenset((scopes or "").split())
+        return Principal(kind="admin", key_id=key_id, scopes=scope_set, expires_at=as_utc(expires_at))
     key_id, _, revoked_at, expires_at, tenant_id, is_disabled, policy_body = rows[0]
     if not _is_live(revoked_at, expires_at, now):
         raise AuthError("Incorrect API key provided.", code="expired_or_revoked_api_key")

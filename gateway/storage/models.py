@@ -71,8 +71,9 @@ class AdminToken(Base):
     secret_hash: Mapped[str] = mapped_column(String(64))
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
-    # Space-separated extra privileges beyond the admin API (e.g. ``retention:read``); "" for none.
+    # Space-separated, sorted: what the token may do (``gateway.schemas.admin.ADMIN_SCOPES``).
     scopes: Mapped[str] = mapped_column(String(256), default="")
+    expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
 
 
 class GatewayInstance(Base):

@@ -1,9 +1,13 @@
 """Admin API over SQLite and PostgreSQL: tenants, keys, versioned policies, usage reports."""
 
+import asyncio
 import csv
 import io
 
 import pytest
+
+from gateway.errors import InvalidRequest
+from gateway.services import keys
 
 from .conftest import open_gateway
 
@@ -88,3 +92,28 @@ async def test_usage_report_json_and_csv(agw):
     assert (
         await agw.client.get(f"/admin/v1/tenants/{tid}/usage?window=year", headers=agw.admin())
     ).status_code == 400
+
+
+@pytest.mark.parametrize("seconds", [0, -1])
+async def test_a_key_expiry_of_zero_or_less_is_refused_not_never(agw, seconds):
+    """``expires_in_seconds`` 0 used to issue a key that never expires; only omitting it means that."""
+    tid, _ = await agw.make_tenant()
+    rt, url = agw.runtime, f"/admin/v1/tenants/{tid}/keys"
+    r = await agw.client.post(url, headers=agw.admin(), json={"expires_in_seconds": seconds})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "expires_in_seconds"
+    async with rt.sessionmaker() as s:
+        with pytest.raises(InvalidRequest, match="omit it for no expiry"):
+            await keys.create_key(s, rt.hasher, tid, "k", seconds)
+    from typer.testing import CliRunner
+
+    from gateway.cli import app
+
+    where = ["--data-dir", str(agw.settings.data_dir), "--db-url", agw.settings.database_url]
+    res = await asyncio.to_thread(
+        CliRunner().invoke, app, ["admin", "create-key", tid, f"--expires-in-seconds={seconds}", *where]
+    )
+    assert res.exit_code != 0 and "omit the option for no expiry" in res.output, res.output
+    listed = (await agw.client.get(url, headers=agw.admin())).json()
+    assert len(listed) == 1  # the one make_tenant issued; none of the refused ones
+    res = await asyncio.to_thread(CliRunner().invoke, app, ["admin", "create-key", tid, *where])
+    assert res.exit_code == 0 and '"expires_at": null' in res.output, res.output

@@ -9,17 +9,18 @@ from gateway.app import create_app
 from gateway.audit_hook import AuditHook, AuditUnavailableError
 from gateway.errors import Forbidden
 from gateway.guards import requires_admin, requires_tenant
+from gateway.schemas.admin import ADMIN_READ, ADMIN_SCOPES, TENANTS_WRITE
 from gateway.services.keys import Principal
 from policies import Policy
 
 from .conftest import make_settings
 
 TENANT = Principal(kind="tenant", key_id="k", tenant_id="t")
-ADMIN = Principal(kind="admin", key_id="a")
+ADMIN = Principal(kind="admin", key_id="a", scopes=ADMIN_SCOPES)
 
 
-def conn(user):
-    return SimpleNamespace(scope={"user": user})
+def conn(user, method="GET", path="/admin/v1/tenants"):
+    return SimpleNamespace(scope={"user": user, "method": method, "path_template": path})
 
 
 @pytest.mark.parametrize(
@@ -30,6 +31,18 @@ async def test_guards(guard, allowed, denied):
     for user in (denied, None):
         with pytest.raises(Forbidden):
             await guard(conn(user), None)
+
+
+async def test_admin_guard_needs_the_route_scope_and_refuses_unlisted_routes():
+    reader = Principal(kind="admin", key_id="r", scopes=frozenset({ADMIN_READ}))
+    await requires_admin(conn(reader), None)
+    await requires_admin(conn(reader, "OPTIONS", "/admin/v1/tenants"), None)
+    for denied in (conn(reader, "POST"), conn(ADMIN, "GET", "/admin/v1/unlisted"), conn(ADMIN, "DELETE")):
+        with pytest.raises(Forbidden) as e:
+            await requires_admin(denied, None)
+        assert e.value.code == "scope_required"
+    writer = Principal(kind="admin", key_id="w", scopes=frozenset({TENANTS_WRITE}))
+    await requires_admin(conn(writer, "POST"), None)
 
 
 async def test_hook_fails_closed_only_when_required():
