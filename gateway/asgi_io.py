@@ -12,11 +12,16 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
+from typing import TypeVar
 
 import anyio
+import structlog
 from litestar.exceptions.http_exceptions import RequestEntityTooLarge
 from litestar.serialization import encode_json
-from litestar.types import Receive, Scope, Send
+from litestar.types import Message, Receive, Scope, Send
+
+T = TypeVar("T")
+log = structlog.get_logger()
 
 
 class ClientGone(Exception):  # noqa: N818  (not an error: the client left before its request was read)
@@ -77,18 +82,41 @@ def _header_list(first: tuple[bytes, bytes], headers: Mapping[str, str]) -> list
     return [first, *((k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items())]
 
 
-async def send_reply(reply: WholeReply | StreamReply, receive: Receive, send: Send) -> None:
-    """Send ``reply`` with status 200."""
+async def send_reply(reply: WholeReply | StreamReply, receive: Receive, send: Send,
+                     stall_timeout_s: float = 30.0) -> None:
+    """Send ``reply`` with status 200. A client that takes none of it for ``stall_timeout_s`` (its
+    socket's buffers stay full) is dropped: a stream's generation is aborted and settled."""
+    send = _deadlined(send, stall_timeout_s)
     if isinstance(reply, StreamReply):
-        await _send_stream(reply, receive, send)
+        try:
+            await _send_stream(reply, receive, send)
+        except ClientStalled:
+            log.warning("reply.client_stalled", stall_timeout_s=stall_timeout_s)
         return
     content = encode_json(reply.body)
     headers = _header_list(_JSON, reply.headers)
     headers.append((b"content-length", str(len(content)).encode()))
-    await send({"type": "http.response.start", "status": 200, "headers": headers})
-    await send({"type": "http.response.body", "body": content, "more_body": False})
+    try:
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": content, "more_body": False})
+    except ClientStalled:
+        log.warning("reply.client_stalled", stall_timeout_s=stall_timeout_s)
     if reply.after is not None:
         await asyncio.shield(reply.after)
+
+
+class ClientStalled(Exception):  # noqa: N818  (the client's doing, not an error of ours)
+    """The client took nothing of the reply for the stall timeout."""
+
+
+def _deadlined(send: Send, timeout_s: float) -> Send:
+    async def send_within(message: Message) -> None:
+        with anyio.move_on_after(timeout_s) as scope:
+            await send(message)
+        if scope.cancelled_caught:
+            raise ClientStalled
+
+    return send_within
 
 
 async def _send_stream(reply: StreamReply, receive: Receive, send: Send) -> None:
@@ -112,6 +140,18 @@ async def _send_stream(reply: StreamReply, receive: Receive, send: Send) -> None
                 await chunks.aclose()
             finally:
                 await reply.finish()
+
+
+async def unless_client_leaves(work: Awaitable[T], receive: Receive) -> T | None:
+    """``work``'s result, or ``None`` if the client disconnected first: then ``work`` is cancelled (a
+    request's generation is aborted and what it produced settled by its own clean-up)."""
+    with anyio.CancelScope() as scope:
+        listener = asyncio.ensure_future(_cancel_on_disconnect(scope, receive))
+        try:
+            return await work
+        finally:
+            listener.cancel()
+    return None
 
 
 async def _cancel_on_disconnect(scope: anyio.CancelScope, receive: Receive) -> None:

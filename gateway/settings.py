@@ -59,6 +59,8 @@ class Settings(BaseSettings):
             ``batch_invariant``; ``KVGATE_DETERMINISM_MODES``). Serving ``fixed`` turns on torch's
             deterministic algorithms for the process; ``batch_invariant`` builds and self-checks its kernels
             at start-up. A request (or tenant default) asking for a mode not served gets a 400.
+        stream_stall_timeout_s: A client that takes nothing of its reply for this long (its socket's
+            buffers stay full) is dropped, its generation aborted and what it produced settled.
     """
 
     model_config = SettingsConfigDict(env_prefix="KVGATE_", extra="ignore")
@@ -87,6 +89,7 @@ class Settings(BaseSettings):
     determinism_modes: str = "fast,fixed,batch_invariant"
     reserved_cpus: int = Field(default=1, ge=0)
     engine_process: bool = True
+    stream_stall_timeout_s: float = Field(default=30.0, gt=0)
 
     @field_validator("determinism_modes")
     @classmethod

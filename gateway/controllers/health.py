@@ -20,12 +20,13 @@ def healthz() -> dict[str, str]:
 
 @get("/readyz", exclude_from_auth=True)
 async def readyz(runtime: Runtime) -> Response[dict]:
-    """Readiness: the model is loaded and the database answers.
+    """Readiness: the engine is serving (loaded, its process alive) and the database answers.
 
     Returns:
         200 with both checks true, else 503.
     """
-    checks = {"model": runtime.engine is not None, "database": await runtime.is_db_ready()}
+    engine = runtime.engine
+    checks = {"model": engine is not None and engine.is_running, "database": await runtime.is_db_ready()}
     return Response(
         {"status": "ok" if all(checks.values()) else "unavailable", "checks": checks},
         status_code=200 if all(checks.values()) else 503,

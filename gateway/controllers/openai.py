@@ -31,8 +31,10 @@ async def _complete(
         raw = await read_body(scope, receive, runtime.settings.max_body_bytes)
     except ClientGone:
         return  # nobody to answer; the key middleware still records the request's auth.success
-    reply = await completions.handle(runtime, scope["user"], parse_body(raw, schema), kind, scope.get("auth"))
-    await send_reply(reply, receive, send)
+    request = parse_body(raw, schema)
+    reply = await completions.handle(runtime, scope["user"], request, kind, scope.get("auth"), receive)
+    if reply is not None:  # else the client left while it was generated: aborted and settled
+        await send_reply(reply, receive, send, runtime.settings.stream_stall_timeout_s)
 
 
 def _model_card(runtime: Runtime) -> dict[str, Any]:

@@ -8,12 +8,13 @@ from typing import Any
 
 import anyio
 import structlog
+from litestar.types import Receive
 
 from engine.errors import InvalidRequestError
 from gateway import openai_format as fmt
-from gateway.asgi_io import StreamReply, WholeReply
+from gateway.asgi_io import StreamReply, WholeReply, unless_client_leaves
 from gateway.audit_hook import AuditUnavailableError, DeferredEvent
-from gateway.errors import ClientError, InvalidRequest, ServiceUnavailable
+from gateway.errors import ClientError, InvalidRequest, ServiceUnavailable, error_body
 from gateway.runtime import Runtime
 from gateway.schemas.openai import ChatCompletionRequest, CompletionRequest
 from gateway.services import retention
@@ -22,6 +23,7 @@ from gateway.services.keys import Principal
 from gateway.services.receipts import Receipt
 
 log = structlog.get_logger()
+ENGINE_RETRY_AFTER_S = 5  # about a restarted engine's start-up on the default model
 
 
 class _Progress:
@@ -121,9 +123,20 @@ async def _first(rt: Runtime, adm: Admission, progress: _Progress) -> tuple[Asyn
     except InvalidRequestError as e:
         raise InvalidRequest(str(e)) from None
     except RuntimeError as e:
-        raise ServiceUnavailable(f"The engine is unavailable: {e}") from None
+        raise engine_unavailable(adm, e) from None
     progress.last, progress.is_done = out, out.finished
     return gen, out
+
+
+def engine_unavailable(adm: Admission, e: BaseException) -> ServiceUnavailable:
+    """The client's answer when the engine failed a request: a generic 503 naming the request; what
+    happened goes to the log only."""
+    log.error("engine.request_failed", request_id=adm.request_id, error_type=type(e).__name__, error=str(e))
+    return ServiceUnavailable(
+        f"The engine is unavailable; retry shortly (request {adm.request_id}).",
+        code="engine_unavailable",
+        headers={"Retry-After": str(ENGINE_RETRY_AFTER_S)},
+    )
 
 
 async def _finish_soon(rt: Runtime, adm: Admission, progress: _Progress) -> asyncio.Future | None:
@@ -162,8 +175,11 @@ async def _run_whole(rt: Runtime, adm: Admission) -> WholeReply:
     try:
         gen, out = await _first(rt, adm, progress)
         if out is not None and not out.finished:
-            async for out in gen:
-                progress.last, progress.is_done = out, out.finished
+            try:
+                async for out in gen:
+                    progress.last, progress.is_done = out, out.finished
+            except RuntimeError as e:
+                raise engine_unavailable(adm, e) from None
         await _until_committed(adm)
     except BaseException:
         await _finish(rt, adm, progress)
@@ -241,16 +257,8 @@ async def _stream(
             yield fmt.sse(_chunk(adm, [], True, usage))
         yield fmt.SSE_DONE
     except RuntimeError as e:  # the engine died mid-stream: tell the client in-band
-        yield fmt.sse(
-            {
-                "error": {
-                    "message": f"The engine failed: {e}",
-                    "type": "server_error",
-                    "param": None,
-                    "code": "engine_error",
-                }
-            }
-        )
+        err = engine_unavailable(adm, e)
+        yield fmt.sse(error_body(err.message, err.error_type, err.code))
     finally:
         await gen.aclose()  # a request that did not end is aborted (the settlement aborts it too)
 
@@ -285,13 +293,17 @@ async def handle(
     req: ChatCompletionRequest | CompletionRequest,
     kind: str,
     auth_event: DeferredEvent | None = None,
-) -> WholeReply | StreamReply:
+    receive: Receive | None = None,
+) -> WholeReply | StreamReply | None:
     """Admit, run and answer one completion request (``kind`` is ``chat`` or ``text``); ``auth_event`` is
     the request's deferred ``auth.success`` (see ``gateway.auth.DEFER_AUTH_AUDIT``). The reply settles
-    the request's usage once sent (``gateway.asgi_io.send_reply``)."""
+    the request's usage once sent (``gateway.asgi_io.send_reply``). With the connection's ``receive``,
+    a whole response's generation is aborted (and settled) when its client leaves: ``None`` then."""
     adm = await _admit_audited(rt, principal, req, kind, auth_event)
     if not req.stream:
-        return await _run_whole(rt, adm)
+        if receive is None:
+            return await _run_whole(rt, adm)
+        return await unless_client_leaves(_run_whole(rt, adm), receive)
     progress = _Progress()
     try:
         gen, first = await _first(rt, adm, progress)

@@ -18,7 +18,7 @@ async def test_the_gateway_serves_with_the_engine_in_a_child_process(tmp_path: P
                                  num_kv_blocks=64, max_num_seqs=4):
         engine = gw.runtime.engine
         assert isinstance(engine, ProcessLLMEngine) and engine.is_running
-        child = engine._proc
+        child = engine._child.proc
         _, key = await gw.make_tenant()
         body = {"model": engine.model_name, "max_tokens": 3, "temperature": 0,
                 "messages": [{"role": "user", "content": "hello there"}]}
