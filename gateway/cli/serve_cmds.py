@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 from pathlib import Path
 from typing import IO, Annotated, Any
 
@@ -12,6 +13,7 @@ import typer
 
 from gateway.cli import app
 from gateway.cli.common import DataDirOpt, DbUrlOpt, build_settings, run
+from gateway.secrets import UnsafeSecretPath, load_or_create_pepper, private_dir, private_file
 from gateway.settings import Settings
 
 
@@ -77,6 +79,17 @@ def uvicorn_options(settings: Settings) -> dict[str, Any]:
         "ws": "none",
         "http": EdgeHttpToolsProtocol.bind(limits),
     }
+
+
+def prepare_data_dir(settings: Settings) -> None:
+    """Make what this process creates private from here on (umask 077), the data dir 0700 and the
+    SQLite database 0600 (SQLite gives its journal files the database's mode), and load the pepper, so
+    that an unsafe data dir stops ``serve`` before anything else starts."""
+    os.umask(0o077)
+    private_dir(settings.data_dir)
+    if settings.db_url is None:
+        private_file(settings.data_dir / "kvgate.db")
+    load_or_create_pepper(settings.data_dir)
 
 
 def _tls_kwargs(settings: Settings) -> dict[str, str]:
@@ -173,9 +186,13 @@ def serve(
         http_max_connections_per_peer=http_max_connections_per_peer,
     )
     configure_serve_logging(settings)
-    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        prepare_data_dir(settings)
+        tls = _tls_kwargs(settings)
+    except UnsafeSecretPath as e:
+        typer.echo(f"kvgate: {e}", err=True)
+        raise typer.Exit(1) from e
     run(lambda: migrate.upgrade(settings.database_url))
-    tls = _tls_kwargs(settings)
     scheme = "http" if settings.insecure_http else "https"
     typer.echo(f"kvgate serving on {scheme}://{settings.host}:{settings.port}", err=True)
     uvicorn.run(serving_app(settings), **uvicorn_options(settings), **tls)

@@ -246,3 +246,10 @@ def test_connections_are_capped_per_peer_and_per_server(server: Server) -> None:
         for sock in held:
             sock.close()
 
+
+def test_serve_keeps_its_data_dir_private(server: Server) -> None:
+    """`kvgate serve` created the data dir 0700 and everything in it (database, pepper, keys) 0600."""
+    assert (server.data_dir / "kvgate.db").exists() and (server.data_dir / "pepper").exists()
+    loose = [(str(p.relative_to(server.data_dir)), oct(p.stat().st_mode & 0o777))
+             for p in [server.data_dir, *server.data_dir.rglob("*")] if p.stat().st_mode & 0o077]
+    assert loose == []
