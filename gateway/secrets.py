@@ -1,14 +1,19 @@
-"""Tenant API keys and admin tokens: generation, parsing and peppered HMAC-SHA256 hashing."""
+"""Tenant API keys and admin tokens (generation, parsing, peppered hashing) and secret files on disk."""
 
 from __future__ import annotations
 
+import errno
 import hmac
 import os
 import re
 import secrets
+import stat
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NewType
+
+import structlog
 
 KeyId = NewType("KeyId", str)
 
@@ -62,15 +67,116 @@ class Hasher:
         return hmac.compare_digest(self.hash(key_id, secret), stored_hash)
 
 
-def load_or_create_pepper(data_dir: Path) -> bytes:
-    """Read ``<data_dir>/pepper`` (created 0600 with 32 random bytes on first use)."""
-    path = data_dir / "pepper"
-    if not path.exists():
-        data_dir.mkdir(parents=True, exist_ok=True)
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        except FileExistsError:
-            return path.read_bytes()
+class UnsafeSecretPath(Exception):
+    """A secret's file or directory that kvgate will not use as it is; the message says what to change."""
+
+
+def private_dir(path: Path) -> Path:
+    """``path`` as a directory only its owner may enter: created 0700, or an existing one made 0700.
+
+    Raises:
+        UnsafeSecretPath: It is looser and cannot be tightened (owned by another user).
+    """
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    _tighten(path, os.stat(path).st_mode, 0o700, lambda mode: os.chmod(path, mode))
+    return path
+
+
+def private_file(path: Path) -> None:
+    """Create ``path`` empty and 0600 unless it exists; an existing one is made 0600 (never via a link).
+
+    Raises:
+        UnsafeSecretPath: A symbolic link, not a regular file, or looser and not ours to tighten.
+    """
+    os.close(_open_private(path, os.O_RDONLY | os.O_CREAT))
+
+
+def read_secret(path: Path) -> bytes | None:
+    """The bytes of the secret file at ``path`` (``None`` when there is none), made 0600 if looser.
+
+    Raises:
+        UnsafeSecretPath: A symbolic link, not a regular file, or looser and not ours to tighten.
+    """
+    try:
+        fd = _open_private(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    with os.fdopen(fd, "rb") as f:
+        return f.read()
+
+
+def write_secret(path: Path, data: bytes, *, mode: int = 0o600, replace: bool = True) -> bool:
+    """Put ``data`` at ``path`` atomically: written to a new file (``O_EXCL``, ``mode``) in the same
+    directory and synced, then renamed over ``path`` or, without ``replace``, linked there only if
+    ``path`` is free (``False`` when it was not: another process created it first).
+
+    A crash leaves the old file or the whole new one, never part of one. A symbolic link planted at
+    ``path`` is replaced (or, without ``replace``, left for ``read_secret`` to refuse), never followed.
+    """
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(8)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    try:
         with os.fdopen(fd, "wb") as f:
-            f.write(secrets.token_bytes(32))
-    return path.read_bytes()
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        if replace:
+            os.replace(tmp, path)
+        else:
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                return False
+    finally:
+        tmp.unlink(missing_ok=True)
+    dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(dir_fd)  # the new name itself survives a power loss
+    finally:
+        os.close(dir_fd)
+    return True
+
+
+def _open_private(path: Path, flags: int) -> int:
+    try:  # O_NONBLOCK: opening a FIFO planted there must not hang; a regular file ignores it
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o600)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise UnsafeSecretPath(f"{path} is a symbolic link; kvgate does not follow links at the paths "
+                                   "of its secrets: put the file itself there") from e
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise UnsafeSecretPath(f"{path} is not a regular file")
+        _tighten(path, st.st_mode, 0o600, lambda mode: os.fchmod(fd, mode))
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _tighten(path: Path, mode: int, private: int, chmod: Callable[[int], None]) -> None:
+    if not mode & 0o077:
+        return
+    was = f"{stat.S_IMODE(mode):o}"
+    try:
+        chmod(private)
+    except OSError as e:
+        raise UnsafeSecretPath(f"{path} is mode {was} and could not be made {private:o} ({e.strerror}): "
+                               f"make it {private:o}, owned by the user kvgate runs as") from e
+    structlog.get_logger().warning("secrets.mode_tightened", path=str(path), mode=f"{private:o}", was=was)
+
+
+def load_or_create_pepper(data_dir: Path) -> bytes:
+    """Read ``<data_dir>/pepper``, created on first use (32 random bytes, 0600, atomically).
+
+    Raises:
+        UnsafeSecretPath: The data dir or the pepper file is unsafe as it is (see ``read_secret``).
+    """
+    path = private_dir(data_dir) / "pepper"
+    pepper = read_secret(path)
+    if pepper is None:
+        write_secret(path, secrets.token_bytes(32), replace=False)  # a concurrent creator's pepper wins
+        pepper = read_secret(path)
+    return pepper or b""

@@ -61,6 +61,16 @@ class Settings(BaseSettings):
             at start-up. A request (or tenant default) asking for a mode not served gets a 400.
         stream_stall_timeout_s: A client that takes nothing of its reply for this long (its socket's
             buffers stay full) is dropped, its generation aborted and what it produced settled.
+        http_max_header_bytes: Largest request head (request line and headers) read; a longer one is
+            answered 431 and the connection closed, before the parser has buffered more than this.
+        http_header_timeout_s: Time a connection has to finish its request head, counted from its opening
+            (or from the first byte of a later request on a kept-alive connection); then it is closed.
+        http_body_timeout_s: Time a request has to deliver its whole body once its head is in; then it is
+            answered 408 (or, once an answer has started, closed).
+        http_keep_alive_s: How long an idle kept-alive connection waits for its next request.
+        http_max_connections: Open connections the server holds; one more is answered 503 and closed.
+        http_max_connections_per_peer: Open connections one client address may hold (behind a proxy, every
+            client has the proxy's address: raise it to ``http_max_connections`` there).
     """
 
     model_config = SettingsConfigDict(env_prefix="KVGATE_", extra="ignore")
@@ -90,6 +100,12 @@ class Settings(BaseSettings):
     reserved_cpus: int = Field(default=1, ge=0)
     engine_process: bool = True
     stream_stall_timeout_s: float = Field(default=30.0, gt=0)
+    http_max_header_bytes: int = Field(default=32_768, ge=1024, le=1_048_576)
+    http_header_timeout_s: float = Field(default=10.0, gt=0)
+    http_body_timeout_s: float = Field(default=60.0, gt=0)
+    http_keep_alive_s: float = Field(default=5.0, gt=0)
+    http_max_connections: int = Field(default=1024, ge=1)
+    http_max_connections_per_peer: int = Field(default=64, ge=1)
 
     @field_validator("determinism_modes")
     @classmethod

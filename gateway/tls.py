@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import ipaddress
-import os
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -14,6 +13,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from gateway.clock import utcnow
+from gateway.secrets import private_dir, read_secret, write_secret
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,14 +24,10 @@ class TlsFiles:
     ca_fingerprint: str | None  # SHA-256, colon-separated hex
 
 
-def _write_key(path: Path, key: ec.EllipticCurvePrivateKey) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(
-            key.private_bytes(
-                serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-            )
-        )
+def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
+    return key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
 
 
 def _name(cn: str) -> x509.Name:
@@ -108,18 +104,26 @@ def fingerprint(cert_path: Path) -> str:
 
 
 def ensure_tls(data_dir: Path, extra_hosts: tuple[str, ...] = ()) -> TlsFiles:
-    """Create ``<data_dir>/tls/{ca.pem,ca.key,server.pem,server.key}`` unless they exist."""
-    tls_dir = data_dir / "tls"
+    """Create ``<data_dir>/tls/{ca.pem,ca.key,server.pem,server.key}`` unless they exist.
+
+    The directory is 0700 and the keys 0600. Each file is written whole or not at all, and
+    ``server.pem`` last: a crash part-way leaves no ``server.pem``, so the next start makes a new set.
+
+    Raises:
+        UnsafeSecretPath: A key path is a symbolic link or not ours (``gateway.secrets.read_secret``).
+    """
+    tls_dir = private_dir(private_dir(data_dir) / "tls")
     ca_path, server_path, server_key = tls_dir / "ca.pem", tls_dir / "server.pem", tls_dir / "server.key"
-    if not (ca_path.exists() and server_path.exists() and server_key.exists()):
-        tls_dir.mkdir(parents=True, exist_ok=True)
-        hosts = ["localhost", "127.0.0.1", "::1", *[h for h in extra_hosts if h not in ("0.0.0.0", "::")]]
-        ca_key, ca = _make_ca(3650)
-        key, cert = _make_server(ca_key, ca, list(dict.fromkeys(hosts)), 825)
-        _write_key(tls_dir / "ca.key", ca_key)
-        _write_key(server_key, key)
-        ca_path.write_bytes(ca.public_bytes(serialization.Encoding.PEM))
-        server_path.write_bytes(
-            cert.public_bytes(serialization.Encoding.PEM) + ca.public_bytes(serialization.Encoding.PEM)
-        )
+    if ca_path.exists() and server_path.exists() and read_secret(server_key) is not None:
+        read_secret(tls_dir / "ca.key")  # refused if a link, made 0600 if looser
+        return TlsFiles(server_path, server_key, ca_path, fingerprint(ca_path))
+    server_path.unlink(missing_ok=True)
+    hosts = ["localhost", "127.0.0.1", "::1", *[h for h in extra_hosts if h not in ("0.0.0.0", "::")]]
+    ca_key, ca = _make_ca(3650)
+    key, cert = _make_server(ca_key, ca, list(dict.fromkeys(hosts)), 825)
+    ca_pem = ca.public_bytes(serialization.Encoding.PEM)
+    write_secret(tls_dir / "ca.key", _key_pem(ca_key))
+    write_secret(server_key, _key_pem(key))
+    write_secret(ca_path, ca_pem, mode=0o644)
+    write_secret(server_path, cert.public_bytes(serialization.Encoding.PEM) + ca_pem, mode=0o644)
     return TlsFiles(server_path, server_key, ca_path, fingerprint(ca_path))

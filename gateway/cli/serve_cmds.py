@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 from pathlib import Path
 from typing import IO, Annotated, Any
 
@@ -12,6 +13,7 @@ import typer
 
 from gateway.cli import app
 from gateway.cli.common import DataDirOpt, DbUrlOpt, build_settings, run
+from gateway.secrets import UnsafeSecretPath, load_or_create_pepper, private_dir, private_file
 from gateway.settings import Settings
 
 
@@ -53,9 +55,17 @@ def serving_app(settings: Settings) -> Any:
 
 def uvicorn_options(settings: Settings) -> dict[str, Any]:
     """``uvicorn.run`` options besides TLS. ``log_config=None``: uvicorn's default dictConfig would give
-    its loggers plain-text handlers of their own, bypassing redaction; they propagate to root instead."""
-    from gateway.http_protocol import HeadHoldingHttpToolsProtocol
+    its loggers plain-text handlers of their own, bypassing redaction; they propagate to root instead.
+    ``ws="none"``: no route speaks WebSocket, and an upgraded connection would leave the edge limits."""
+    from gateway.http_protocol import EdgeHttpToolsProtocol, EdgeLimits
 
+    limits = EdgeLimits(
+        max_header_bytes=settings.http_max_header_bytes,
+        header_timeout_s=settings.http_header_timeout_s,
+        body_timeout_s=settings.http_body_timeout_s,
+        max_connections=settings.http_max_connections,
+        max_connections_per_peer=settings.http_max_connections_per_peer,
+    )
     return {
         "host": settings.host,
         "port": settings.port,
@@ -64,8 +74,22 @@ def uvicorn_options(settings: Settings) -> dict[str, Any]:
         "access_log": False,
         "lifespan": "on",
         "timeout_graceful_shutdown": 5,
-        "http": HeadHoldingHttpToolsProtocol,
+        "timeout_keep_alive": settings.http_keep_alive_s,
+        "h11_max_incomplete_event_size": settings.http_max_header_bytes,  # were h11 ever chosen instead
+        "ws": "none",
+        "http": EdgeHttpToolsProtocol.bind(limits),
     }
+
+
+def prepare_data_dir(settings: Settings) -> None:
+    """Make what this process creates private from here on (umask 077), the data dir 0700 and the
+    SQLite database 0600 (SQLite gives its journal files the database's mode), and load the pepper, so
+    that an unsafe data dir stops ``serve`` before anything else starts."""
+    os.umask(0o077)
+    private_dir(settings.data_dir)
+    if settings.db_url is None:
+        private_file(settings.data_dir / "kvgate.db")
+    load_or_create_pepper(settings.data_dir)
 
 
 def _tls_kwargs(settings: Settings) -> dict[str, str]:
@@ -113,6 +137,25 @@ def serve(
         typer.Option("--engine-process/--engine-thread", help="The engine in a child process or a thread "
                      "of this one (KVGATE_ENGINE_PROCESS)."),
     ] = None,
+    http_max_header_bytes: Annotated[
+        int | None, typer.Option(help="Largest request head; 431 beyond (KVGATE_HTTP_MAX_HEADER_BYTES).")
+    ] = None,
+    http_header_timeout_s: Annotated[
+        float | None, typer.Option(help="Seconds to send a request head (KVGATE_HTTP_HEADER_TIMEOUT_S).")
+    ] = None,
+    http_body_timeout_s: Annotated[
+        float | None, typer.Option(help="Seconds to send a body; 408 after (KVGATE_HTTP_BODY_TIMEOUT_S).")
+    ] = None,
+    http_keep_alive_s: Annotated[
+        float | None, typer.Option(help="Idle seconds between requests (KVGATE_HTTP_KEEP_ALIVE_S).")
+    ] = None,
+    http_max_connections: Annotated[
+        int | None, typer.Option(help="Open connections in all (KVGATE_HTTP_MAX_CONNECTIONS).")
+    ] = None,
+    http_max_connections_per_peer: Annotated[
+        int | None,
+        typer.Option(help="Open connections per client address (KVGATE_HTTP_MAX_CONNECTIONS_PER_PEER)."),
+    ] = None,
 ) -> None:
     """Run the HTTPS gateway with the engine in-process (migrates the database first)."""
     import uvicorn
@@ -135,11 +178,21 @@ def serve(
         determinism_modes=determinism_modes,
         reserved_cpus=reserved_cpus,
         engine_process=engine_process,
+        http_max_header_bytes=http_max_header_bytes,
+        http_header_timeout_s=http_header_timeout_s,
+        http_body_timeout_s=http_body_timeout_s,
+        http_keep_alive_s=http_keep_alive_s,
+        http_max_connections=http_max_connections,
+        http_max_connections_per_peer=http_max_connections_per_peer,
     )
     configure_serve_logging(settings)
-    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        prepare_data_dir(settings)
+        tls = _tls_kwargs(settings)
+    except UnsafeSecretPath as e:
+        typer.echo(f"kvgate: {e}", err=True)
+        raise typer.Exit(1) from e
     run(lambda: migrate.upgrade(settings.database_url))
-    tls = _tls_kwargs(settings)
     scheme = "http" if settings.insecure_http else "https"
     typer.echo(f"kvgate serving on {scheme}://{settings.host}:{settings.port}", err=True)
     uvicorn.run(serving_app(settings), **uvicorn_options(settings), **tls)

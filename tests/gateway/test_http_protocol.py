@@ -1,4 +1,4 @@
-"""HeadHoldingTransport: a response head leaves with its body, never later than the end of the loop turn."""
+"""The serving protocol: a response head leaves with its body; the edge limits leave normal traffic alone."""
 
 from __future__ import annotations
 
@@ -7,11 +7,13 @@ import ssl
 
 import httpx
 import pytest
+import typer
 import uvicorn
 
+from gateway.cli import app as cli_app
+from gateway.cli.common import build_settings
 from gateway.cli.serve_cmds import uvicorn_options
-from gateway.http_protocol import HeadHoldingHttpToolsProtocol, HeadHoldingTransport
-from gateway.settings import Settings
+from gateway.http_protocol import EdgeHttpToolsProtocol, EdgeLimits, HeadHoldingTransport
 
 HEAD = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n"
 
@@ -91,16 +93,38 @@ async def test_other_calls_reach_the_transport() -> None:
     assert t.is_closing() is False
 
 
-def test_serve_uses_the_protocol(tmp_path) -> None:
-    assert uvicorn_options(Settings(data_dir=tmp_path))["http"] is HeadHoldingHttpToolsProtocol
+def test_serve_takes_the_edge_limits_as_flags(tmp_path) -> None:
+    """``kvgate serve`` flags -> settings -> the protocol class and uvicorn options one server runs."""
+    serve = typer.main.get_command(cli_app).commands["serve"]  # type: ignore[attr-defined]
+    flags = ["--data-dir", str(tmp_path), "--http-max-header-bytes", "8192", "--http-header-timeout-s", "3",
+             "--http-body-timeout-s", "20", "--http-keep-alive-s", "2.5", "--http-max-connections", "100",
+             "--http-max-connections-per-peer", "10"]
+    options = uvicorn_options(build_settings(**serve.make_context("serve", flags).params))
+    protocol = options["http"]
+    assert issubclass(protocol, EdgeHttpToolsProtocol)
+    assert protocol.limits == EdgeLimits(max_header_bytes=8192, header_timeout_s=3.0, body_timeout_s=20.0,
+                                         max_connections=100, max_connections_per_peer=10)
+    assert (options["timeout_keep_alive"], options["ws"]) == (2.5, "none")
+    assert uvicorn_options(build_settings(data_dir=tmp_path))["http"].peers is not protocol.peers
 
 
 @pytest.mark.parametrize("use_tls", [False, True])
 async def test_uvicorn_serves_whole_and_streamed_responses(tmp_path, use_tls: bool) -> None:
-    """Through a real uvicorn on loopback: keep-alive requests, a whole body, a stream, a 404, HEAD."""
+    """Through a real uvicorn on loopback: keep-alive requests, a whole body, a stream, a 404, HEAD; a
+    request body many times the head limit, and two requests sent in one write (the limit counts heads)."""
 
     async def app(scope, receive, send):  # noqa: ANN001
         if scope["type"] != "http":
+            return
+        if scope["path"] == "/echo":
+            size, more = 0, True
+            while more:
+                message = await receive()
+                size, more = size + len(message.get("body", b"")), message.get("more_body", False)
+            body = str(size).encode()
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-length", str(len(body)).encode())]})
+            await send({"type": "http.response.body", "body": body})
             return
         if scope["path"] == "/stream":
             await send({"type": "http.response.start", "status": 200, "headers": []})
@@ -122,8 +146,9 @@ async def test_uvicorn_serves_whole_and_streamed_responses(tmp_path, use_tls: bo
         files = ensure_tls(tmp_path, ("127.0.0.1",))
         tls = {"ssl_certfile": str(files.cert), "ssl_keyfile": str(files.key)}
         verify = ssl.create_default_context(cafile=str(files.ca_cert))
-    config = uvicorn.Config(app, host="127.0.0.1", port=0, http=HeadHoldingHttpToolsProtocol,
-                            log_config=None, lifespan="off", **tls)
+    protocol = EdgeHttpToolsProtocol.bind(EdgeLimits(max_header_bytes=2048))
+    config = uvicorn.Config(app, host="127.0.0.1", port=0, http=protocol, log_config=None, lifespan="off",
+                            **tls)
     server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve())
     while not server.started:
@@ -141,6 +166,14 @@ async def test_uvicorn_serves_whole_and_streamed_responses(tmp_path, use_tls: bo
             assert (r.status_code, r.content) == (404, b"missing")
             r = await client.head("/")
             assert (r.status_code, r.content) == (200, b"")
+            r = await client.post("/echo", content=b"x" * 300_000, headers={"x-pad": "p" * 1500})
+            assert (r.status_code, r.content) == (200, b"300000")
+        reader, writer = await asyncio.open_connection("127.0.0.1", port, ssl=verify if use_tls else None)
+        pad = b"x-pad: " + b"p" * 1500 + b"\r\n\r\n"  # each head within 2048 bytes, the two beyond it
+        writer.write(b"GET / HTTP/1.1\r\n" + pad + b"GET /nope HTTP/1.1\r\nconnection: close\r\n" + pad)
+        replies = await asyncio.wait_for(reader.read(), 10)
+        writer.close()
+        assert replies.count(b"HTTP/1.1 ") == 2 and b"hello" in replies and replies.endswith(b"missing")
     finally:
         server.should_exit = True
         await task

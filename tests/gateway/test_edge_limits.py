@@ -1,0 +1,255 @@
+"""The HTTP edge of a real `kvgate serve` (TLS): head size and time, body time, idle time, connection caps."""
+
+from __future__ import annotations
+
+import http.client
+import os
+import socket
+import ssl
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import orjson
+import pytest
+
+KVGATE = [sys.executable, "-c", "from gateway.cli import app; app()"]
+# Small limits, so that a slow client is cut off within seconds (the defaults are 10 s, 60 s, 5 s).
+LIMITS = {
+    "KVGATE_HTTP_MAX_HEADER_BYTES": "4096",
+    "KVGATE_HTTP_HEADER_TIMEOUT_S": "2",
+    "KVGATE_HTTP_BODY_TIMEOUT_S": "2",
+    "KVGATE_HTTP_KEEP_ALIVE_S": "1",
+    "KVGATE_HTTP_MAX_CONNECTIONS": "8",
+    "KVGATE_HTTP_MAX_CONNECTIONS_PER_PEER": "4",
+}
+CLOSE_WITHIN_S = 6.0  # a 1-2 s limit, plus room for a loaded machine; the old server held them for good
+
+
+@dataclass(frozen=True)
+class Server:
+    port: int
+    data_dir: Path
+    ca: Path
+    admin_token: str
+
+    @property
+    def base(self) -> str:
+        return f"https://127.0.0.1:{self.port}"
+
+    def connect(self, source: str = "127.0.0.1") -> ssl.SSLSocket:
+        """A TLS connection from ``source`` (any 127.x address is this host's loopback)."""
+        raw = socket.create_connection(("127.0.0.1", self.port), timeout=10, source_address=(source, 0))
+        return ssl.create_default_context(cafile=str(self.ca)).wrap_socket(raw, server_hostname="127.0.0.1")
+
+    def healthz(self, source: str = "127.0.0.1") -> int:
+        transport = httpx.HTTPTransport(verify=str(self.ca), local_address=source)
+        with httpx.Client(transport=transport, timeout=10) as client:
+            return client.get(f"{self.base}/healthz").status_code
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iterator[Server]:
+    root = tmp_path_factory.mktemp("edge")
+    data_dir = root / "srv" / "data"  # created by `kvgate serve` itself
+    port = _free_port()
+    env = os.environ | LIMITS | {"KVGATE_DATA_DIR": str(data_dir), "KVGATE_LOG_JSON": "true"}
+    log_path = root / "serve.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [*KVGATE, "serve", "--port", str(port), "--model", str(tiny_model_dir), "--num-kv-blocks", "64",
+             "--max-num-seqs", "2", "--engine-thread"],
+            env=env, stdout=log, stderr=subprocess.STDOUT,
+        )
+    try:
+        _wait_ready(proc, data_dir / "tls" / "ca.pem", port, log_path)
+        token = subprocess.run([*KVGATE, "admin", "bootstrap"], env=env, check=True, capture_output=True,
+                               text=True).stdout.strip()
+        yield Server(port, data_dir, data_dir / "tls" / "ca.pem", token)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def _wait_ready(proc: subprocess.Popen, ca: Path, port: int, log_path: Path) -> None:
+    deadline = time.monotonic() + 180
+    while True:
+        assert proc.poll() is None, log_path.read_text()
+        if ca.exists():
+            try:
+                if httpx.get(f"https://127.0.0.1:{port}/readyz", verify=str(ca), timeout=2).is_success:
+                    return
+            except httpx.HTTPError:
+                pass
+        assert time.monotonic() < deadline, log_path.read_text()
+        time.sleep(0.3)
+
+
+def _response(sock: ssl.SSLSocket) -> tuple[int, dict]:
+    """The status and JSON body of the next response on ``sock``."""
+    resp = http.client.HTTPResponse(sock)  # type: ignore[arg-type]
+    resp.begin()
+    body = resp.read()
+    return resp.status, orjson.loads(body) if body else {}
+
+
+def _recv(sock: ssl.SSLSocket, wait_s: float) -> bytes | None:
+    """What the server sent within ``wait_s``: ``b""`` once it closed the connection, ``None`` if nothing.
+    (Polling with a timeout, not ``select``: TLS session tickets make a socket readable with no data.)"""
+    sock.settimeout(wait_s)
+    try:
+        return sock.recv(65536)
+    except TimeoutError:
+        return None
+    except OSError:  # reset, or TLS torn down without close_notify
+        return b""
+    finally:
+        sock.settimeout(10)
+
+
+def _is_closed(sock: ssl.SSLSocket, wait_s: float) -> bool:
+    """Whether the server closed ``sock`` within ``wait_s`` (dropping whatever it sent before)."""
+    deadline = time.monotonic() + wait_s
+    while (left := deadline - time.monotonic()) > 0:
+        got = _recv(sock, left)
+        if got is None:
+            return False
+        if got == b"":
+            return True
+    return False
+
+
+def _parse(raw: bytes) -> tuple[int, dict]:
+    head, _, body = raw.partition(b"\r\n\r\n")
+    return int(head.split(b" ", 2)[1]), orjson.loads(body)
+
+
+def test_a_head_over_the_limit_is_answered_431_and_one_within_it_is_served(server: Server) -> None:
+    with server.connect() as sock:
+        sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: a\r\nX-Pad: " + b"a" * 3000 + b"\r\n\r\n")
+        assert _response(sock)[0] == 401  # within the limit: read, and answered by the app
+    with server.connect() as sock:
+        sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: a\r\nX-Pad: " + b"a" * 8192 + b"\r\n\r\n")
+        status, body = _response(sock)
+        assert status == 431 and body["error"]["code"] == "request_header_fields_too_large"
+        assert _is_closed(sock, CLOSE_WITHIN_S)
+    with server.connect() as sock:  # a request line alone over the limit: the same
+        sock.sendall(b"GET /" + b"a" * 8192)
+        assert _response(sock)[0] == 431
+
+
+def test_a_slow_or_silent_head_is_cut_off_while_others_are_served(server: Server) -> None:
+    silent, slow = server.connect("127.0.0.2"), server.connect("127.0.0.2")
+    try:
+        slow.sendall(b"GET /v1/models HTTP/1.1\r\nHost: a\r\n")
+        start = time.monotonic()
+        while (got := _recv(slow, 0.25)) is None:  # one header byte every quarter second: never finished
+            assert time.monotonic() - start < CLOSE_WITHIN_S, "a slow head still held"
+            assert server.healthz() == 200
+            slow.sendall(b"x")
+        assert got == b"" or _is_closed(slow, CLOSE_WITHIN_S)
+        assert _is_closed(silent, CLOSE_WITHIN_S)
+    finally:
+        silent.close()
+        slow.close()
+
+
+def test_an_idle_kept_alive_connection_is_closed(server: Server) -> None:
+    with server.connect("127.0.0.3") as sock:
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: a\r\n\r\n")
+        assert _response(sock)[0] == 200
+        assert _is_closed(sock, 3.5)  # 1 s here; uvicorn's own default would have held it 5 s
+
+
+def _post_head(server: Server, token: str | None, length: int) -> bytes:
+    auth = f"Authorization: Bearer {token}\r\n" if token else ""
+    return (f"POST /admin/v1/tenants HTTP/1.1\r\nHost: a\r\n{auth}Content-Type: application/json\r\n"
+            f"Content-Length: {length}\r\n\r\n").encode()
+
+
+def test_a_slow_body_is_answered_408(server: Server) -> None:
+    with server.connect("127.0.0.4") as sock:
+        sock.sendall(_post_head(server, server.admin_token, 64) + b'{"name": ')
+        start = time.monotonic()
+        while (got := _recv(sock, 0.25)) is None:  # one body byte every quarter second
+            assert time.monotonic() - start < CLOSE_WITHIN_S, "a slow body still held"
+            sock.sendall(b" ")
+        raw = got
+        while got:  # the answer, then the end of the connection
+            got = _recv(sock, CLOSE_WITHIN_S)
+            assert got is not None, "not closed after its answer"
+            raw += got
+        status, body = _parse(raw)
+        assert status == 408 and body["error"]["code"] == "request_timeout"
+        assert server.healthz() == 200
+
+
+def test_a_body_still_trickling_after_an_early_answer_is_cut_off(server: Server) -> None:
+    with server.connect("127.0.0.5") as sock:
+        sock.sendall(_post_head(server, None, 10_000) + b"{")
+        assert _response(sock)[0] == 401  # answered before its body was read
+        start = time.monotonic()
+        while (got := _recv(sock, 0.25)) is None:
+            assert time.monotonic() - start < CLOSE_WITHIN_S, "a trickling body still held"
+            sock.sendall(b" ")
+        assert got == b"" or _is_closed(sock, CLOSE_WITHIN_S)
+
+
+def _refused(sock: ssl.SSLSocket) -> bool:
+    """Answered 503 (or dropped) promptly, without having sent anything."""
+    sock.settimeout(CLOSE_WITHIN_S)
+    try:
+        status, body = _response(sock)
+    except TimeoutError:
+        return False  # held open
+    except (OSError, http.client.HTTPException):
+        return True
+    return status == 503 and body["error"]["code"] == "too_many_connections"
+
+
+def test_connections_are_capped_per_peer_and_per_server(server: Server) -> None:
+    held: list[ssl.SSLSocket] = []
+    try:
+        held += [server.connect("127.0.0.6") for _ in range(4)]
+        with server.connect("127.0.0.6") as fifth:
+            assert _refused(fifth)
+        assert server.healthz("127.0.0.7") == 200  # another address is still served
+        held += [server.connect("127.0.0.7") for _ in range(4)]  # the server's 8
+        with server.connect("127.0.0.8") as ninth:
+            assert _refused(ninth)
+        for sock in held:
+            sock.close()
+        held.clear()
+        deadline = time.monotonic() + CLOSE_WITHIN_S
+        while True:  # once the held ones are gone, both addresses are served again
+            try:
+                if server.healthz("127.0.0.6") == server.healthz("127.0.0.8") == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+    finally:
+        for sock in held:
+            sock.close()
+
+
+def test_serve_keeps_its_data_dir_private(server: Server) -> None:
+    """`kvgate serve` created the data dir 0700 and everything in it (database, pepper, keys) 0600."""
+    assert (server.data_dir / "kvgate.db").exists() and (server.data_dir / "pepper").exists()
+    loose = [(str(p.relative_to(server.data_dir)), oct(p.stat().st_mode & 0o777))
+             for p in [server.data_dir, *server.data_dir.rglob("*")] if p.stat().st_mode & 0o077]
+    assert loose == []
