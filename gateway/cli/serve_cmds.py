@@ -156,6 +156,10 @@ def serve(
         int | None,
         typer.Option(help="Open connections per client address (KVGATE_HTTP_MAX_CONNECTIONS_PER_PEER)."),
     ] = None,
+    stream_stall_timeout_s: Annotated[
+        float | None,
+        typer.Option(help="Seconds a client may take nothing of its reply (KVGATE_STREAM_STALL_TIMEOUT_S)."),
+    ] = None,
 ) -> None:
     """Run the HTTPS gateway with the engine in-process (migrates the database first)."""
     import uvicorn
@@ -184,6 +188,7 @@ def serve(
         http_keep_alive_s=http_keep_alive_s,
         http_max_connections=http_max_connections,
         http_max_connections_per_peer=http_max_connections_per_peer,
+        stream_stall_timeout_s=stream_stall_timeout_s,
     )
     configure_serve_logging(settings)
     try:
