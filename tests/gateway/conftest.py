@@ -132,10 +132,25 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def llm(tiny_model_dir: Path):  # type: ignore[no-untyped-def]
-    from engine import AsyncLLMEngine, EngineConfig
+def event_loop_policy() -> asyncio.AbstractEventLoopPolicy:
+    """The gateway's tests run on uvloop, as ``kvgate serve`` (uvicorn) does."""
+    import uvloop
 
-    engine = AsyncLLMEngine(
+    return uvloop.EventLoopPolicy()
+
+
+@pytest.fixture(scope="session")
+def llm(tiny_model_dir: Path):  # type: ignore[no-untyped-def]
+    """The engine as ``kvgate serve`` runs it: a child process (``ProcessLLMEngine``).
+
+    One engine serves the whole session while every test runs on a loop of its own, so here a reader
+    thread takes the child's outputs; the event loop's own reader, which ``kvgate serve`` uses, is tested
+    by tests/engine/test_process_uvloop.py and by the real servers of tests/gateway/test_served.py.
+    """
+    from engine import EngineConfig
+    from engine.process import ProcessLLMEngine
+
+    engine = ProcessLLMEngine(
         EngineConfig(
             model=str(tiny_model_dir),
             dtype="float32",
@@ -147,7 +162,7 @@ def llm(tiny_model_dir: Path):  # type: ignore[no-untyped-def]
             num_threads=Settings(data_dir=tiny_model_dir).engine_threads,
         )
     )
-    engine.start()
+    engine.start()  # no running loop here: the reader thread
     yield engine
     engine.shutdown()
 
