@@ -7,9 +7,9 @@ latest committed row. ``reserve`` and ``settle`` both lock the tenant row first;
 per-tenant mutex over the usage and slot rows, so two transactions cannot deadlock whatever order one
 multi-row UPDATE locks its rows in.
 
-Each call is one transaction body (``gateway.storage.txn``) of prebuilt statements: the concurrency slot
-(``gateway.services.slots``), an idempotent insert of the window rows, and one UPDATE for all three
-windows.
+Each call is one transaction body (``gateway.storage.txn``) of prebuilt statements
+(``gateway.services.usage_sql``): the concurrency slot (``gateway.services.slots``), an idempotent insert
+of the window rows, and one UPDATE for all three windows.
 """
 
 from __future__ import annotations
@@ -20,20 +20,16 @@ from datetime import UTC, datetime
 from functools import lru_cache
 from typing import Any
 
-from sqlalchemy import BigInteger, Connection, and_, bindparam, or_, select, update
-from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.sql.dml import Insert, Update
+from sqlalchemy import Connection
 
 from audit.prepared import execute, execute_many
 from gateway.audit_hook import TxnStep
 from gateway.errors import QuotaExceeded
 from gateway.services.ratelimit import RateLimitInfo, exceeded, rate_limit_info, window_error
 from gateway.services.slots import LOCK_TENANT, Slots
-from gateway.storage.models import UsageCounter
+from gateway.services.usage_sql import READ, SETTLE, WINDOWS, add_usage, ensure_row
 from gateway.storage.txn import TxnRunner
 from policies import Policy
-
-WINDOWS = ("minute", "day", "month")
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,64 +69,8 @@ def _limits(policy: Policy) -> tuple[tuple[int | None, int | None], ...]:
     )
 
 
-_U = UsageCounter.__table__
-_N = bindparam("n", type_=BigInteger)
-
-
-def _window_is(window: str) -> Any:
-    return and_(_U.c.window == window, _U.c.window_start == bindparam(f"{window}_start", type_=BigInteger))
-
-
-_IS_TENANT_WINDOW = and_(_U.c.tenant_id == bindparam("tid"), or_(*(_window_is(w) for w in WINDOWS)))
-_READ = select(_U.c.window, _U.c.num_tokens, _U.c.num_requests).where(_IS_TENANT_WINDOW)
-_SETTLE = (
-    update(_U)
-    .where(_IS_TENANT_WINDOW)
-    .values(
-        num_tokens=_U.c.num_tokens + bindparam("delta", type_=BigInteger),
-        num_prompt_tokens=_U.c.num_prompt_tokens + bindparam("num_prompt", type_=BigInteger),
-        num_completion_tokens=_U.c.num_completion_tokens + bindparam("num_completion", type_=BigInteger),
-        num_cached_tokens=_U.c.num_cached_tokens + bindparam("num_cached", type_=BigInteger),
-    )
-)
-
-
-@lru_cache(maxsize=4)
-def _ensure_row(dialect: str) -> Insert:
-    # One row per execution (run as an executemany): a multi-row VALUES with bind parameters is
-    # compiled afresh on every call, which cost more than the rest of the reservation.
-    dialect_insert = postgresql.insert if dialect == "postgresql" else sqlite.insert
-    zeros = dict.fromkeys(
-        ("num_requests", "num_tokens", "num_prompt_tokens", "num_completion_tokens", "num_cached_tokens"), 0
-    )
-    return (
-        dialect_insert(_U)
-        .values(tenant_id=bindparam("tid"), window=bindparam("w"), window_start=bindparam("start"), **zeros)
-        .on_conflict_do_nothing()
-    )
-
-
 class _MissingRows(Exception):
     """A window row this process created earlier is gone; the reservation is retried from scratch."""
-
-
-@lru_cache(maxsize=64)
-def _add(limited: tuple[tuple[bool, bool], ...]) -> Update:
-    """One UPDATE adding a request and ``n`` tokens to every window that stays within its limits."""
-    clauses = []
-    for window, (has_token_limit, has_request_limit) in zip(WINDOWS, limited, strict=True):
-        clause = _window_is(window)
-        if has_token_limit:
-            clause = and_(clause, _U.c.num_tokens + _N <= bindparam(f"{window}_tokens", type_=BigInteger))
-        if has_request_limit:
-            clause = and_(clause, _U.c.num_requests + 1 <= bindparam(f"{window}_requests", type_=BigInteger))
-        clauses.append(clause)
-    return (
-        update(_U)
-        .where(_U.c.tenant_id == bindparam("tid"), or_(*clauses))
-        .values(num_tokens=_U.c.num_tokens + _N, num_requests=_U.c.num_requests + 1)
-        .returning(_U.c.window, _U.c.num_tokens, _U.c.num_requests)
-    )
 
 
 def _params(r: Reservation) -> dict[str, Any]:
@@ -212,12 +152,13 @@ class QuotaService:
         if self._known_rows.get(r.tenant_id) != r.window_starts:
             starts = zip(WINDOWS, r.window_starts, strict=True)
             rows = [{"tid": r.tenant_id, "w": w, "start": s} for w, s in starts]
-            execute_many(conn, _ensure_row(conn.dialect.name), rows)
+            execute_many(conn, ensure_row(conn.dialect.name), rows)
         limits = _limits(policy)
         bounds = {f"{w}_tokens": t for w, (t, _) in zip(WINDOWS, limits, strict=True) if t is not None}
         bounds |= {f"{w}_requests": q for w, (_, q) in zip(WINDOWS, limits, strict=True) if q is not None}
         shape = tuple((t is not None, q is not None) for t, q in limits)
-        got = {w: (tokens, requests) for w, tokens, requests in execute(conn, _add(shape), params | bounds)}
+        added = execute(conn, add_usage(shape), params | bounds)
+        got = {w: (tokens, requests) for w, tokens, requests in added}
         if len(got) < len(WINDOWS):  # raising rolls back the slot and the windows that did fit
             raise _rejection(conn, r, policy, got, now)
         if then is not None:
@@ -272,7 +213,7 @@ class QuotaService:
         }
         execute(conn, LOCK_TENANT, params)
         Slots.give(conn, r.tenant_id, r.instance_id)
-        execute(conn, _SETTLE, params)
+        execute(conn, SETTLE, params)
         if then is not None:
             then(conn)
 
@@ -289,7 +230,7 @@ def _rejection(
     limits = _limits(policy)
     failed = next(i for i, w in enumerate(WINDOWS) if w not in got)
     error = window_error(WINDOWS[failed], r.num_tokens, limits[failed], ends[failed] - now)
-    rows = {w: (tokens, requests) for w, tokens, requests in execute(conn, _READ, _params(r))}
+    rows = {w: (tokens, requests) for w, tokens, requests in execute(conn, READ, _params(r))}
     if len(rows) < len(WINDOWS):
         raise _MissingRows  # not over a limit after all: the UPDATE had rows to miss
     minute = got.get("minute") or rows["minute"]
