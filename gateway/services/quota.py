@@ -25,7 +25,14 @@ from sqlalchemy import Connection
 from audit.prepared import execute, execute_many
 from gateway.audit_hook import TxnStep
 from gateway.errors import QuotaExceeded
-from gateway.services.ratelimit import RateLimitInfo, exceeded, rate_limit_info, window_error
+from gateway.services.ratelimit import (
+    Hold,
+    RateLimitInfo,
+    TenantGate,
+    exceeded,
+    rate_limit_info,
+    window_error,
+)
 from gateway.services.slots import LOCK_TENANT, Slots
 from gateway.services.usage_sql import READ, SETTLE, WINDOWS, add_usage, ensure_row
 from gateway.storage.txn import TxnRunner
@@ -43,6 +50,8 @@ class Reservation:
     # Resolves once the reservation's transaction has committed, or fails if it did not (``reserve``
     # with ``is_early``); ``None``: committed before ``reserve`` returned.
     committed: asyncio.Future | None = field(default=None, compare=False, repr=False)
+    # The request's place in the in-process gate (``QuotaService.gate``), given back by ``settle``.
+    hold: Hold | None = field(default=None, compare=False, repr=False)
 
 
 def window_bounds(now: float) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
@@ -73,6 +82,16 @@ class _MissingRows(Exception):
     """A window row this process created earlier is gone; the reservation is retried from scratch."""
 
 
+class _Refused(Exception):
+    """A reservation over a window's limit: ``error`` for the caller, and the tenant's request count in
+    the minute window for the gate."""
+
+    def __init__(self, error: QuotaExceeded, num_minute_requests: int) -> None:
+        super().__init__(error.message)
+        self.error = error
+        self.num_minute_requests = num_minute_requests
+
+
 def _params(r: Reservation) -> dict[str, Any]:
     return {"tid": r.tenant_id, "n": r.num_tokens} | {
         f"{w}_start": s for w, s in zip(WINDOWS, r.window_starts, strict=True)
@@ -90,6 +109,7 @@ class QuotaService:
     def __init__(self, db: TxnRunner, slots: Slots | None = None) -> None:
         self._db = db
         self.slots = slots or Slots()
+        self.gate = TenantGate()  # the same limits, checked early from what this process knows
         self._is_registered = False
         # tenant -> window starts whose usage rows are known to exist (rows are never deleted), so the
         # idempotent insert runs once per tenant per minute instead of on every request.
@@ -114,6 +134,7 @@ class QuotaService:
         *,
         then: TxnStep | None = None,
         is_early: bool = False,
+        hold: Hold | None = None,
     ) -> tuple[Reservation, RateLimitInfo]:
         """Hold ``num_tokens`` and one request slot in every window, or raise ``QuotaExceeded``.
 
@@ -123,29 +144,45 @@ class QuotaService:
             is_early: Return once the reservation is decided, before its commit is done: the caller may
                 start work it can abort, and must wait for ``reservation.committed`` before anything of
                 it is seen (``TxnRunner.run_early``). ``settle`` waits for it too.
+            hold: The request's place in ``gate``. The reservation takes it over (``settle`` gives it
+                back); when the reservation fails, it is given back here.
         """
         if not self._is_registered:
             await self.heartbeat(now)
-        reservation = Reservation(tenant_id, num_tokens, window_bounds(now)[0], self.slots.instance_id)
+        r = Reservation(tenant_id, num_tokens, window_bounds(now)[0], self.slots.instance_id, hold=hold)
+        try:
+            (info, num_minute_requests), committed = await self._run_reserve(r, policy, now, then, is_early)
+        except BaseException as e:
+            if hold is not None:
+                hold.give()
+            if isinstance(e, _Refused):  # the gate then refuses the rest of the minute on its own
+                self.gate.observe(tenant_id, r.window_starts[0], e.num_minute_requests)
+                raise e.error from None
+            raise
+        self._known_rows[tenant_id] = r.window_starts
+        if hold is not None:
+            hold.counted_once(committed, r.window_starts[0], num_minute_requests)
+        return (r, info) if committed is None else (replace(r, committed=committed), info)
+
+    async def _run_reserve(
+        self, r: Reservation, policy: Policy, now: float, then: TxnStep | None, is_early: bool
+    ) -> tuple[tuple[RateLimitInfo, int], asyncio.Future | None]:
+        """``_reserve``'s result, and the future of its commit (``is_early``) or ``None``."""
 
         def release(conn: Connection, _: Any) -> None:
-            self._settle(conn, reservation, 0, 0, 0, None)
+            self._settle(conn, r, 0, 0, 0, None)
 
         run = self._db.run_early if is_early else self._db.run
         try:
-            outcome = await run(self._reserve, reservation, policy, now, then, undo=release, inline=True)
+            outcome = await run(self._reserve, r, policy, now, then, undo=release, inline=True)
         except _MissingRows:
-            self._known_rows.pop(tenant_id, None)
-            outcome = await run(self._reserve, reservation, policy, now, then, undo=release, inline=True)
-        self._known_rows[tenant_id] = reservation.window_starts
-        if not is_early:
-            return reservation, outcome
-        info, committed = outcome
-        return replace(reservation, committed=committed), info
+            self._known_rows.pop(r.tenant_id, None)
+            outcome = await run(self._reserve, r, policy, now, then, undo=release, inline=True)
+        return outcome if is_early else (outcome, None)
 
     def _reserve(
         self, conn: Connection, r: Reservation, policy: Policy, now: float, then: TxnStep | None
-    ) -> RateLimitInfo:
+    ) -> tuple[RateLimitInfo, int]:
         params = _params(r)
         if not self.slots.take(conn, r.tenant_id, policy.max_concurrent_requests, now):
             raise exceeded("Too many concurrent requests for this tenant.", 1.0, "concurrency_limit")
@@ -163,7 +200,7 @@ class QuotaService:
             raise _rejection(conn, r, policy, got, now)
         if then is not None:
             then(conn)
-        return rate_limit_info(policy, got["minute"], window_bounds(now)[1][0] - now)
+        return rate_limit_info(policy, got["minute"], window_bounds(now)[1][0] - now), got["minute"][1]
 
     async def settle(
         self,
@@ -187,6 +224,8 @@ class QuotaService:
             Exception: The reservation itself did not commit (``reserve`` with ``is_early``): there is
                 nothing to settle, and nothing was.
         """
+        if reservation.hold is not None:  # before any wait: the tenant's next request may come now
+            reservation.hold.give()
         if reservation.committed is not None:
             await reservation.committed
         await self._db.run(
@@ -220,7 +259,7 @@ class QuotaService:
 
 def _rejection(
     conn: Connection, r: Reservation, policy: Policy, got: dict[str, tuple[int, int]], now: float
-) -> QuotaExceeded:
+) -> _Refused:
     """The error for the first window (minute, day, month) the reservation did not fit in.
 
     Raises:
@@ -235,4 +274,5 @@ def _rejection(
         raise _MissingRows  # not over a limit after all: the UPDATE had rows to miss
     minute = got.get("minute") or rows["minute"]
     error.headers |= rate_limit_info(policy, minute, ends[0] - now).headers()
-    return error
+    # The committed count: a minute that fit holds this request too, until the rollback.
+    return _Refused(error, minute[1] - ("minute" in got))
