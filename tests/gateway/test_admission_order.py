@@ -3,9 +3,7 @@ or by the prompt byte cap, is answered without its prompt being tokenized, and w
 after the gate gives its place back."""
 
 import asyncio
-import json
 import threading
-from dataclasses import dataclass
 
 import pytest
 
@@ -13,6 +11,7 @@ from gateway.errors import QuotaExceeded
 from gateway.services.prompt_tokens import TokenizePool, longest_token_bytes
 from policies import Policy
 
+from .asgi_calls import call_app, on_app_loop
 from .conftest import open_gateway
 from .test_hot_path import _fail_store_on, _minute_usage
 
@@ -63,56 +62,6 @@ def _bearer(key):
 def _chat_body(model, content, max_tokens=2, stream=False):
     return {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
             "stream": stream}
-
-
-@dataclass
-class Reply:
-    status: int
-    headers: dict[str, str]
-    body: bytes
-
-    def json(self):
-        return json.loads(self.body)
-
-
-async def call_app(app, key, body, path="/v1/chat/completions", started=None, hold_open=None) -> Reply:
-    """One request straight into the app (on its own event loop, so that requests can overlap, which the
-    test client's calls cannot). ``started`` is set when the response starts; its body is then held
-    until ``hold_open`` is set."""
-    raw, done, reply = json.dumps(body).encode(), asyncio.Event(), Reply(0, {}, b"")
-    scope = {
-        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
-        "scheme": "http", "path": path, "raw_path": path.encode(), "root_path": "", "query_string": b"",
-        "headers": [(b"authorization", f"Bearer {key}".encode()), (b"content-type", b"application/json")],
-        "client": ("127.0.0.1", 50000), "server": ("127.0.0.1", 8000), "state": {},
-    }
-    messages = [{"type": "http.request", "body": raw, "more_body": False}]
-
-    async def receive():
-        if messages:
-            return messages.pop()
-        await done.wait()
-        return {"type": "http.disconnect"}
-
-    async def send(message):
-        if message["type"] == "http.response.start":
-            reply.status = message["status"]
-            reply.headers = {k.decode(): v.decode() for k, v in message["headers"]}
-            if started is not None:
-                started.set()
-                await hold_open.wait()
-        elif message["type"] == "http.response.body":
-            reply.body += message.get("body", b"")
-            if not message.get("more_body"):
-                done.set()
-
-    await app(scope, receive, send)
-    return reply
-
-
-async def on_app_loop(gw, scenario, *args):
-    """Run ``scenario(*args)`` on the app's own event loop (the test client's portal)."""
-    return await asyncio.to_thread(gw.client.blocking_portal.call, scenario, *args)
 
 
 def _chat(gw, key, content, max_tokens=2, **extra):
