@@ -34,7 +34,7 @@ _REQUEST_COMMON = ("model", "num_prompt_tokens", "prompt_hash", "determinism", "
 # name -> fields allowed in ``data``. Top-level ids (tenant, key, request, actor) are columns, not data.
 EVENT_FIELDS: dict[str, frozenset[str]] = {
     AUTH_SUCCEEDED: frozenset({"kind", "method", "path", "scopes"}),
-    AUTH_FAILED: frozenset({"kind", "method", "path", "reason"}),
+    AUTH_FAILED: frozenset({"kind", "method", "path", "reason", "peer", "num_failures"}),
     REQUEST_ADMITTED: frozenset({*_REQUEST_COMMON, "max_tokens", "priority", "num_reserved_tokens"}),
     REQUEST_REJECTED: frozenset({*_REQUEST_COMMON, "reason", "code", "status", "violations", "status_code"}),
     REQUEST_FINISHED: frozenset({

@@ -11,7 +11,9 @@ from audit.context import bind_request_context, clear_request_context
 from gateway.audit_hook import DeferredEvent
 from gateway.errors import AuthError
 from gateway.runtime import Runtime
+from gateway.services.auth_failures import THROTTLED, AuthFailureLimits, AuthFailures
 from gateway.services.keys import Principal, authenticate
+from gateway.services.ratelimit import exceeded
 
 PUBLIC_PATHS = ["^/healthz$", "^/readyz$"]
 # Route ``opt`` flag: the handler records ``auth.success`` in its own first transaction (the admission's),
@@ -32,6 +34,24 @@ def _bearer(connection: ASGIConnection) -> str:
     return token
 
 
+def _peer(connection: ASGIConnection) -> str:
+    """The client's address as the server saw it (behind a proxy: what the proxy headers say, when the
+    server trusts them)."""
+    client = connection.client
+    return client.host[:64] if client is not None and client.host else "unknown"
+
+
+def _failures(connection: ASGIConnection) -> AuthFailures:
+    """The app's failure counts (made on first use: middleware instances are per route)."""
+    state = connection.app.state
+    failures = state.get("auth_failures")
+    if failures is None:
+        rt: Runtime = state.runtime
+        limits = AuthFailureLimits.from_settings(rt.settings)
+        failures = state["auth_failures"] = AuthFailures(rt.audit, rt.txn.run, rt.keep_finishing, limits)
+    return failures
+
+
 def _success_fields(principal: Principal, path: str) -> dict[str, str | None]:
     return {
         "kind": principal.kind,
@@ -44,10 +64,11 @@ def _success_fields(principal: Principal, path: str) -> dict[str, str | None]:
 class ApiKeyAuthMiddleware(AbstractAuthenticationMiddleware):
     """Every path except ``PUBLIC_PATHS`` needs a valid tenant key or admin token; guards decide which.
 
-    Every result is audited: ``auth.failure`` before the 401, ``auth.success`` before the handler runs,
-    or, on routes flagged ``DEFER_AUTH_AUDIT`` (completions), in the handler's admission transaction,
-    which the request cannot pass without; if it never gets there, this middleware records the event
-    when the request ends.
+    Every result is audited: ``auth.success`` before the handler runs, or, on routes flagged
+    ``DEFER_AUTH_AUDIT`` (completions), in the handler's admission transaction, which the request cannot
+    pass without; if it never gets there, this middleware records the event when the request ends.
+    Failures are counted per peer address (``AuthFailures``): audited in batches with their counts, and
+    past the peer's limit answered with a 429 before the key is looked up.
     """
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -64,11 +85,16 @@ class ApiKeyAuthMiddleware(AbstractAuthenticationMiddleware):
         # The route template, not the concrete path: a path parameter may carry user content.
         path = connection.scope.get("path_template") or connection.scope["path"]
         clear_request_context()
+        failures, peer = _failures(connection), _peer(connection)
+        retry_after = failures.retry_after(peer)
+        if retry_after is not None:  # answered without touching the database
+            await failures.record(peer, THROTTLED, path, may_write=False)
+            raise exceeded("Too many failed authentications from this address.", retry_after, THROTTLED)
         try:
             token = _bearer(connection)
             principal = await runtime.txn.read(authenticate, runtime.hasher, token)
         except AuthError as e:
-            await runtime.audit.emit("auth.failure", required=False, reason=e.code, path=path)
+            await failures.record(peer, e.code or "invalid_api_key", path, may_write=True)
             raise
         bind_request_context(tenant_id=principal.tenant_id, key_id=principal.key_id)
         event = DeferredEvent("auth.success", _success_fields(principal, path))

@@ -71,6 +71,18 @@ class Settings(BaseSettings):
         http_max_connections: Open connections the server holds; one more is answered 503 and closed.
         http_max_connections_per_peer: Open connections one client address may hold (behind a proxy, every
             client has the proxy's address: raise it to ``http_max_connections`` there).
+        max_prompt_bytes_per_token: The byte cap checked before tokenizing: a prompt whose text has more
+            than this many UTF-8 bytes per token it may have (its tenant's and the model's limits) is
+            refused unread. ``None``: the tokenizer's longest token, which no prompt that fits exceeds.
+        tokenize_threads: Threads tokenizing long prompts (over 8192 characters) off the event loop.
+        tokenize_queue: Long prompts that may wait for a tokenizing thread; one more is refused with a
+            429 ``tokenizer_busy`` and ``Retry-After``.
+        auth_failure_limit: Failed authentications one peer address may make per window; past it, its
+            requests get a 429 ``too_many_auth_failures`` without their key being looked up.
+        auth_failure_window_s: That window, in seconds (fixed, from the peer's first failure).
+        auth_failure_flush_s: Failed authentications are audited at most once per this many seconds,
+            as one ``auth.failure`` event per peer, reason and path with their count.
+        auth_failure_max_peers: Peer addresses whose failures are tracked (least recent forgotten first).
     """
 
     model_config = SettingsConfigDict(env_prefix="KVGATE_", extra="ignore")
@@ -106,6 +118,14 @@ class Settings(BaseSettings):
     http_keep_alive_s: float = Field(default=5.0, gt=0)
     http_max_connections: int = Field(default=1024, ge=1)
     http_max_connections_per_peer: int = Field(default=64, ge=1)
+    # Admission and authentication-failure limits (docs/security.md).
+    max_prompt_bytes_per_token: int | None = Field(default=None, ge=1)
+    tokenize_threads: int = Field(default=2, ge=1, le=64)
+    tokenize_queue: int = Field(default=16, ge=0, le=4096)
+    auth_failure_limit: int = Field(default=20, ge=1)
+    auth_failure_window_s: float = Field(default=60.0, gt=0)
+    auth_failure_flush_s: float = Field(default=1.0, gt=0, le=60)
+    auth_failure_max_peers: int = Field(default=10_000, ge=1, le=1_000_000)
 
     @field_validator("determinism_modes")
     @classmethod

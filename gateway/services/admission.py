@@ -1,9 +1,8 @@
-"""Admission: exact token counts, policy evaluation and quota reservation, before any engine work."""
+"""Admission: limits, exact token counts, policy evaluation and quota reservation, before engine work."""
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import secrets
 import time
 import uuid
@@ -19,13 +18,20 @@ from gateway.runtime import Runtime
 from gateway.schemas.openai import ChatCompletionRequest, CompletionRequest
 from gateway.services import retention
 from gateway.services.keys import Principal
+from gateway.services.prompt_tokens import (  # kvgate replay and the benchmarks import these from here
+    chat_token_ids,
+    check_prompt_bytes,
+    longest_token_bytes,
+    text_token_ids,
+    tokenize,
+    tokenize_pool,
+)
 from gateway.services.quota import Reservation
-from gateway.services.ratelimit import RateLimitInfo
-from gateway.services.segment_cache import SegmentCache, encode
+from gateway.services.ratelimit import Hold, RateLimitInfo
 from gateway.services.tenants import current_policy
 from policies import Decision, Policy, RequestContext, evaluate
 
-_INLINE_TOKENIZE_CHARS = 8192  # longer prompts are tokenized off the event loop
+__all__ = ["Admission", "admit", "chat_token_ids", "text_token_ids", "tokenize"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,68 +62,6 @@ class Admission:
             f"Admission(request_id={self.request_id!r}, tenant={self.principal.tenant_id!r}, "
             f"num_prompt_tokens={len(self.prompt_token_ids)}, reserved={self.reservation.num_tokens})"
         )
-
-
-def chat_token_ids(
-    tokenizer: Any,
-    req: ChatCompletionRequest,
-    segments: SegmentCache | None = None,
-    namespace: str | None = None,
-) -> list[int]:
-    """The prompt token ids of a chat request: the model's chat template with the generation prompt.
-    ``kvgate replay`` calls this too, so a replayed prompt is rendered exactly as the gateway did.
-    ``segments`` reuses the ids of pieces ``namespace`` sent before (the same ids, see its module)."""
-    messages = [
-        {"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages
-    ]
-    try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    except Exception as e:  # noqa: BLE001  (template errors are the caller's message shape)
-        raise InvalidRequest(
-            f"The messages cannot be rendered by this model's chat template: {type(e).__name__}.",
-            param="messages",
-        ) from None
-    # What apply_chat_template(tokenize=True) does: the rendered text without added special tokens.
-    if segments is not None:
-        return segments.encode(text, namespace)
-    return encode(tokenizer, text, add_special_tokens=False)
-
-
-def text_token_ids(tokenizer: Any, req: CompletionRequest) -> list[int]:
-    """The prompt token ids of a text completion: given ids as they are, text with special tokens."""
-    prompt = req.prompt
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
-        if max(prompt) >= len(tokenizer):
-            raise InvalidRequest("prompt contains a token id outside the vocabulary.", param="prompt")
-        return list(prompt)
-    text = prompt[0] if isinstance(prompt, list) else prompt
-    return encode(tokenizer, text, add_special_tokens=True)
-
-
-def _prompt_chars(req: ChatCompletionRequest | CompletionRequest) -> int:
-    if isinstance(req, ChatCompletionRequest):
-        return sum(len(m.text()) for m in req.messages)
-    prompt = req.prompt
-    if isinstance(prompt, str):
-        return len(prompt)
-    return len(prompt[0]) if isinstance(prompt[0], str) else len(prompt) * 8
-
-
-async def tokenize(
-    tokenizer: Any,
-    req: ChatCompletionRequest | CompletionRequest,
-    segments: SegmentCache | None = None,
-    namespace: str | None = None,
-) -> list[int]:
-    """The request's prompt ids; a chat's through ``segments`` (under ``namespace``) when given."""
-    if isinstance(req, ChatCompletionRequest):
-        fn = functools.partial(chat_token_ids, tokenizer, req, segments, namespace)
-    else:
-        fn = functools.partial(text_token_ids, tokenizer, req)
-    ids = fn() if _prompt_chars(req) <= _INLINE_TOKENIZE_CHARS else await asyncio.to_thread(fn)
-    if not ids:
-        raise InvalidRequest("The prompt is empty.", param="prompt")
-    return ids
 
 
 def _sharer(scope: str, principal: Principal) -> str | None:
@@ -179,18 +123,42 @@ def _check_mode_available(engine: Any, mode: str, requested: str | None) -> None
     )
 
 
-async def _decide(
+async def _policy(
     rt: Runtime, principal: Principal, req: ChatCompletionRequest | CompletionRequest
-) -> tuple[Policy, list[int], Decision]:
-    engine = rt.engine
-    if req.model != engine.model_name:
+) -> Policy:
+    if req.model != rt.engine.model_name:
         raise NotFound(f"The model '{req.model[:64]}' does not exist.", code="model_not_found", param="model")
     policy = principal.policy  # read with the key, in the same query
     if policy is None:
         async with rt.sessionmaker() as session:
             policy = await current_policy(session, principal.tenant_id, rt.settings.default_policy)
+    return policy
+
+
+def _max_prompt_tokens(policy: Policy, max_model_len: int) -> int:
+    """The longest prompt ``policy`` can admit on this model (a longer one is refused once counted)."""
+    limits = (max_model_len, policy.max_context_tokens, policy.max_prompt_tokens)
+    return min(n for n in limits if n is not None)
+
+
+async def _prompt_ids(
+    rt: Runtime, principal: Principal, policy: Policy, req: ChatCompletionRequest | CompletionRequest
+) -> list[int]:
+    """The prompt's token ids, after a byte cap that refuses what cannot fit without tokenizing it; long
+    prompts are tokenized on the bounded pool."""
+    engine, settings = rt.engine, rt.settings
+    bytes_per_token = settings.max_prompt_bytes_per_token or longest_token_bytes(engine.tokenizer)
+    check_prompt_bytes(req, _max_prompt_tokens(policy, engine.max_model_len), bytes_per_token)
+    pool = tokenize_pool(settings.tokenize_threads, settings.tokenize_queue)
     sharer = _sharer(policy.prefix_cache_scope, principal)  # tokenized pieces are shared as KV blocks are
-    prompt_ids = await tokenize(engine.tokenizer, req, rt.segments, sharer)
+    return await tokenize(engine.tokenizer, req, rt.segments, sharer, pool)
+
+
+async def _decide(
+    rt: Runtime, principal: Principal, policy: Policy, req: ChatCompletionRequest | CompletionRequest
+) -> tuple[list[int], Decision]:
+    engine = rt.engine
+    prompt_ids = await _prompt_ids(rt, principal, policy, req)
     ctx = RequestContext(
         model=req.model,
         num_prompt_tokens=len(prompt_ids),
@@ -204,7 +172,7 @@ async def _decide(
         v = decision.violation
         raise PolicyViolation(v.message, status=v.status, code=v.code, param=v.param)
     _check_mode_available(engine, decision.determinism, req.determinism)
-    return policy, prompt_ids, decision
+    return prompt_ids, decision
 
 
 def _admitted_fields(
@@ -230,6 +198,7 @@ async def _reserve_audited(
     decision: Decision,
     fields: dict[str, Any],
     auth_event: DeferredEvent | None,
+    hold: Hold,
 ) -> tuple[Reservation, RateLimitInfo]:
     """Reserve the tokens and record ``request.admitted`` (after the request's deferred ``auth.success``,
     if any): in one transaction when the audit sink can join it, else one after the other, giving the
@@ -248,6 +217,7 @@ async def _reserve_audited(
         time.time(),
         then=chain_steps(auth_step, step),
         is_early=step is not None,
+        hold=hold,
     )
     if auth_step is not None and reservation.committed is not None:
         # Recorded once the commit is done; if it fails, the middleware records it on its own.
@@ -275,25 +245,33 @@ async def admit(
 ) -> Admission:
     """Check the request against the tenant's policy and quotas and reserve its worst-case tokens.
 
-    ``auth_event``, the request's ``auth.success`` when the middleware deferred it, is recorded in the
-    reservation's transaction (it stays unrecorded when admission fails).
+    Cheapest checks first, so that a refusal costs less than what it refuses: the concurrency and
+    request-rate limits as this process knows them (``QuotaService.gate``), the prompt's bytes, then its
+    tokens, the policy and the reservation. ``auth_event``, the request's ``auth.success`` when the
+    middleware deferred it, is recorded in the reservation's transaction (unrecorded if refused).
 
     Raises:
         NotFound: Unknown model.
         PolicyViolation: Over a static limit (e.g. 400 ``context_length_exceeded``).
         InvalidRequest: A determinism mode this engine does not serve (400 ``determinism_unavailable``).
-        QuotaExceeded: Over a rate or quota (429 with ``Retry-After``).
+        QuotaExceeded: Over a rate or quota, or the tokenizing pool is full (429 with ``Retry-After``).
         AuditUnavailableError: The admission could not be audited (503; the reservation is released).
     """
     request_id = uuid.uuid4().hex
     # From here on every log line carries the request id, and the prompt is scrubbed wherever it shows up.
     bind_request_context(request_id=request_id)
     register_sensitive(*retention.prompt_texts(req))
-    policy, prompt_ids, decision = await _decide(rt, principal, req)
-    params = _sampling_params(req, decision)
-    fields = _admitted_fields(request_id, principal, req.model, len(prompt_ids), decision)
-    fields["prompt_hash"] = prompt_hash = rt.prompt_hash(prompt_ids)
-    reservation, info = await _reserve_audited(rt, principal, policy, decision, fields, auth_event)
+    policy = await _policy(rt, principal, req)
+    hold = rt.quota.gate.take(principal.tenant_id, policy, time.time())
+    try:
+        prompt_ids, decision = await _decide(rt, principal, policy, req)
+        params = _sampling_params(req, decision)
+        fields = _admitted_fields(request_id, principal, req.model, len(prompt_ids), decision)
+        fields["prompt_hash"] = prompt_hash = rt.prompt_hash(prompt_ids)
+        reservation, info = await _reserve_audited(rt, principal, policy, decision, fields, auth_event, hold)
+    except BaseException:
+        hold.give()  # what refused the request after the gate gives its place back
+        raise
     return Admission(
         request_id,
         kind,

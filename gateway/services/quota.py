@@ -7,9 +7,9 @@ latest committed row. ``reserve`` and ``settle`` both lock the tenant row first;
 per-tenant mutex over the usage and slot rows, so two transactions cannot deadlock whatever order one
 multi-row UPDATE locks its rows in.
 
-Each call is one transaction body (``gateway.storage.txn``) of prebuilt statements: the concurrency slot
-(``gateway.services.slots``), an idempotent insert of the window rows, and one UPDATE for all three
-windows.
+Each call is one transaction body (``gateway.storage.txn``) of prebuilt statements
+(``gateway.services.usage_sql``): the concurrency slot (``gateway.services.slots``), an idempotent insert
+of the window rows, and one UPDATE for all three windows.
 """
 
 from __future__ import annotations
@@ -20,20 +20,23 @@ from datetime import UTC, datetime
 from functools import lru_cache
 from typing import Any
 
-from sqlalchemy import BigInteger, Connection, and_, bindparam, or_, select, update
-from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.sql.dml import Insert, Update
+from sqlalchemy import Connection
 
 from audit.prepared import execute, execute_many
 from gateway.audit_hook import TxnStep
 from gateway.errors import QuotaExceeded
-from gateway.services.ratelimit import RateLimitInfo, exceeded, rate_limit_info, window_error
+from gateway.services.ratelimit import (
+    Hold,
+    RateLimitInfo,
+    TenantGate,
+    exceeded,
+    rate_limit_info,
+    window_error,
+)
 from gateway.services.slots import LOCK_TENANT, Slots
-from gateway.storage.models import UsageCounter
+from gateway.services.usage_sql import READ, SETTLE, WINDOWS, add_usage, ensure_row
 from gateway.storage.txn import TxnRunner
 from policies import Policy
-
-WINDOWS = ("minute", "day", "month")
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +50,8 @@ class Reservation:
     # Resolves once the reservation's transaction has committed, or fails if it did not (``reserve``
     # with ``is_early``); ``None``: committed before ``reserve`` returned.
     committed: asyncio.Future | None = field(default=None, compare=False, repr=False)
+    # The request's place in the in-process gate (``QuotaService.gate``), given back by ``settle``.
+    hold: Hold | None = field(default=None, compare=False, repr=False)
 
 
 def window_bounds(now: float) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
@@ -73,64 +78,18 @@ def _limits(policy: Policy) -> tuple[tuple[int | None, int | None], ...]:
     )
 
 
-_U = UsageCounter.__table__
-_N = bindparam("n", type_=BigInteger)
-
-
-def _window_is(window: str) -> Any:
-    return and_(_U.c.window == window, _U.c.window_start == bindparam(f"{window}_start", type_=BigInteger))
-
-
-_IS_TENANT_WINDOW = and_(_U.c.tenant_id == bindparam("tid"), or_(*(_window_is(w) for w in WINDOWS)))
-_READ = select(_U.c.window, _U.c.num_tokens, _U.c.num_requests).where(_IS_TENANT_WINDOW)
-_SETTLE = (
-    update(_U)
-    .where(_IS_TENANT_WINDOW)
-    .values(
-        num_tokens=_U.c.num_tokens + bindparam("delta", type_=BigInteger),
-        num_prompt_tokens=_U.c.num_prompt_tokens + bindparam("num_prompt", type_=BigInteger),
-        num_completion_tokens=_U.c.num_completion_tokens + bindparam("num_completion", type_=BigInteger),
-        num_cached_tokens=_U.c.num_cached_tokens + bindparam("num_cached", type_=BigInteger),
-    )
-)
-
-
-@lru_cache(maxsize=4)
-def _ensure_row(dialect: str) -> Insert:
-    # One row per execution (run as an executemany): a multi-row VALUES with bind parameters is
-    # compiled afresh on every call, which cost more than the rest of the reservation.
-    dialect_insert = postgresql.insert if dialect == "postgresql" else sqlite.insert
-    zeros = dict.fromkeys(
-        ("num_requests", "num_tokens", "num_prompt_tokens", "num_completion_tokens", "num_cached_tokens"), 0
-    )
-    return (
-        dialect_insert(_U)
-        .values(tenant_id=bindparam("tid"), window=bindparam("w"), window_start=bindparam("start"), **zeros)
-        .on_conflict_do_nothing()
-    )
-
-
 class _MissingRows(Exception):
     """A window row this process created earlier is gone; the reservation is retried from scratch."""
 
 
-@lru_cache(maxsize=64)
-def _add(limited: tuple[tuple[bool, bool], ...]) -> Update:
-    """One UPDATE adding a request and ``n`` tokens to every window that stays within its limits."""
-    clauses = []
-    for window, (has_token_limit, has_request_limit) in zip(WINDOWS, limited, strict=True):
-        clause = _window_is(window)
-        if has_token_limit:
-            clause = and_(clause, _U.c.num_tokens + _N <= bindparam(f"{window}_tokens", type_=BigInteger))
-        if has_request_limit:
-            clause = and_(clause, _U.c.num_requests + 1 <= bindparam(f"{window}_requests", type_=BigInteger))
-        clauses.append(clause)
-    return (
-        update(_U)
-        .where(_U.c.tenant_id == bindparam("tid"), or_(*clauses))
-        .values(num_tokens=_U.c.num_tokens + _N, num_requests=_U.c.num_requests + 1)
-        .returning(_U.c.window, _U.c.num_tokens, _U.c.num_requests)
-    )
+class _Refused(Exception):
+    """A reservation over a window's limit: ``error`` for the caller, and the tenant's request count in
+    the minute window for the gate."""
+
+    def __init__(self, error: QuotaExceeded, num_minute_requests: int) -> None:
+        super().__init__(error.message)
+        self.error = error
+        self.num_minute_requests = num_minute_requests
 
 
 def _params(r: Reservation) -> dict[str, Any]:
@@ -150,6 +109,7 @@ class QuotaService:
     def __init__(self, db: TxnRunner, slots: Slots | None = None) -> None:
         self._db = db
         self.slots = slots or Slots()
+        self.gate = TenantGate()  # the same limits, checked early from what this process knows
         self._is_registered = False
         # tenant -> window starts whose usage rows are known to exist (rows are never deleted), so the
         # idempotent insert runs once per tenant per minute instead of on every request.
@@ -174,6 +134,7 @@ class QuotaService:
         *,
         then: TxnStep | None = None,
         is_early: bool = False,
+        hold: Hold | None = None,
     ) -> tuple[Reservation, RateLimitInfo]:
         """Hold ``num_tokens`` and one request slot in every window, or raise ``QuotaExceeded``.
 
@@ -183,46 +144,63 @@ class QuotaService:
             is_early: Return once the reservation is decided, before its commit is done: the caller may
                 start work it can abort, and must wait for ``reservation.committed`` before anything of
                 it is seen (``TxnRunner.run_early``). ``settle`` waits for it too.
+            hold: The request's place in ``gate``. The reservation takes it over (``settle`` gives it
+                back); when the reservation fails, it is given back here.
         """
         if not self._is_registered:
             await self.heartbeat(now)
-        reservation = Reservation(tenant_id, num_tokens, window_bounds(now)[0], self.slots.instance_id)
+        r = Reservation(tenant_id, num_tokens, window_bounds(now)[0], self.slots.instance_id, hold=hold)
+        try:
+            (info, num_minute_requests), committed = await self._run_reserve(r, policy, now, then, is_early)
+        except BaseException as e:
+            if hold is not None:
+                hold.give()
+            if isinstance(e, _Refused):  # the gate then refuses the rest of the minute on its own
+                self.gate.observe(tenant_id, r.window_starts[0], e.num_minute_requests)
+                raise e.error from None
+            raise
+        self._known_rows[tenant_id] = r.window_starts
+        if hold is not None:
+            hold.counted_once(committed, r.window_starts[0], num_minute_requests)
+        return (r, info) if committed is None else (replace(r, committed=committed), info)
+
+    async def _run_reserve(
+        self, r: Reservation, policy: Policy, now: float, then: TxnStep | None, is_early: bool
+    ) -> tuple[tuple[RateLimitInfo, int], asyncio.Future | None]:
+        """``_reserve``'s result, and the future of its commit (``is_early``) or ``None``."""
 
         def release(conn: Connection, _: Any) -> None:
-            self._settle(conn, reservation, 0, 0, 0, None)
+            self._settle(conn, r, 0, 0, 0, None)
 
         run = self._db.run_early if is_early else self._db.run
         try:
-            outcome = await run(self._reserve, reservation, policy, now, then, undo=release, inline=True)
+            outcome = await run(self._reserve, r, policy, now, then, undo=release, inline=True)
         except _MissingRows:
-            self._known_rows.pop(tenant_id, None)
-            outcome = await run(self._reserve, reservation, policy, now, then, undo=release, inline=True)
-        self._known_rows[tenant_id] = reservation.window_starts
-        if not is_early:
-            return reservation, outcome
-        info, committed = outcome
-        return replace(reservation, committed=committed), info
+            self._known_rows.pop(r.tenant_id, None)
+            outcome = await run(self._reserve, r, policy, now, then, undo=release, inline=True)
+        return outcome if is_early else (outcome, None)
 
     def _reserve(
         self, conn: Connection, r: Reservation, policy: Policy, now: float, then: TxnStep | None
-    ) -> RateLimitInfo:
+    ) -> tuple[RateLimitInfo, int]:
         params = _params(r)
         if not self.slots.take(conn, r.tenant_id, policy.max_concurrent_requests, now):
             raise exceeded("Too many concurrent requests for this tenant.", 1.0, "concurrency_limit")
         if self._known_rows.get(r.tenant_id) != r.window_starts:
             starts = zip(WINDOWS, r.window_starts, strict=True)
             rows = [{"tid": r.tenant_id, "w": w, "start": s} for w, s in starts]
-            execute_many(conn, _ensure_row(conn.dialect.name), rows)
+            execute_many(conn, ensure_row(conn.dialect.name), rows)
         limits = _limits(policy)
         bounds = {f"{w}_tokens": t for w, (t, _) in zip(WINDOWS, limits, strict=True) if t is not None}
         bounds |= {f"{w}_requests": q for w, (_, q) in zip(WINDOWS, limits, strict=True) if q is not None}
         shape = tuple((t is not None, q is not None) for t, q in limits)
-        got = {w: (tokens, requests) for w, tokens, requests in execute(conn, _add(shape), params | bounds)}
+        added = execute(conn, add_usage(shape), params | bounds)
+        got = {w: (tokens, requests) for w, tokens, requests in added}
         if len(got) < len(WINDOWS):  # raising rolls back the slot and the windows that did fit
             raise _rejection(conn, r, policy, got, now)
         if then is not None:
             then(conn)
-        return rate_limit_info(policy, got["minute"], window_bounds(now)[1][0] - now)
+        return rate_limit_info(policy, got["minute"], window_bounds(now)[1][0] - now), got["minute"][1]
 
     async def settle(
         self,
@@ -246,6 +224,8 @@ class QuotaService:
             Exception: The reservation itself did not commit (``reserve`` with ``is_early``): there is
                 nothing to settle, and nothing was.
         """
+        if reservation.hold is not None:  # before any wait: the tenant's next request may come now
+            reservation.hold.give()
         if reservation.committed is not None:
             await reservation.committed
         await self._db.run(
@@ -272,14 +252,14 @@ class QuotaService:
         }
         execute(conn, LOCK_TENANT, params)
         Slots.give(conn, r.tenant_id, r.instance_id)
-        execute(conn, _SETTLE, params)
+        execute(conn, SETTLE, params)
         if then is not None:
             then(conn)
 
 
 def _rejection(
     conn: Connection, r: Reservation, policy: Policy, got: dict[str, tuple[int, int]], now: float
-) -> QuotaExceeded:
+) -> _Refused:
     """The error for the first window (minute, day, month) the reservation did not fit in.
 
     Raises:
@@ -289,9 +269,10 @@ def _rejection(
     limits = _limits(policy)
     failed = next(i for i, w in enumerate(WINDOWS) if w not in got)
     error = window_error(WINDOWS[failed], r.num_tokens, limits[failed], ends[failed] - now)
-    rows = {w: (tokens, requests) for w, tokens, requests in execute(conn, _READ, _params(r))}
+    rows = {w: (tokens, requests) for w, tokens, requests in execute(conn, READ, _params(r))}
     if len(rows) < len(WINDOWS):
         raise _MissingRows  # not over a limit after all: the UPDATE had rows to miss
     minute = got.get("minute") or rows["minute"]
     error.headers |= rate_limit_info(policy, minute, ends[0] - now).headers()
-    return error
+    # The committed count: a minute that fit holds this request too, until the rollback.
+    return _Refused(error, minute[1] - ("minute" in got))

@@ -1,0 +1,175 @@
+"""Prompt token ids: a byte cap checked before tokenizing, and long prompts tokenized on a bounded pool."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+from gateway.errors import InvalidRequest, PolicyViolation
+from gateway.schemas.openai import ChatCompletionRequest, CompletionRequest
+from gateway.services.ratelimit import exceeded
+from gateway.services.segment_cache import SegmentCache, encode
+
+T = TypeVar("T")
+
+INLINE_TOKENIZE_CHARS = 8192  # longer prompts are tokenized off the event loop, on the pool
+
+
+def chat_token_ids(
+    tokenizer: Any,
+    req: ChatCompletionRequest,
+    segments: SegmentCache | None = None,
+    namespace: str | None = None,
+) -> list[int]:
+    """The prompt token ids of a chat request: the model's chat template with the generation prompt.
+    ``kvgate replay`` calls this too, so a replayed prompt is rendered exactly as the gateway did.
+    ``segments`` reuses the ids of pieces ``namespace`` sent before (the same ids, see its module)."""
+    messages = [
+        {"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages
+    ]
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    except Exception as e:  # noqa: BLE001  (template errors are the caller's message shape)
+        raise InvalidRequest(
+            f"The messages cannot be rendered by this model's chat template: {type(e).__name__}.",
+            param="messages",
+        ) from None
+    # What apply_chat_template(tokenize=True) does: the rendered text without added special tokens.
+    if segments is not None:
+        return segments.encode(text, namespace)
+    return encode(tokenizer, text, add_special_tokens=False)
+
+
+def text_token_ids(tokenizer: Any, req: CompletionRequest) -> list[int]:
+    """The prompt token ids of a text completion: given ids as they are, text with special tokens."""
+    prompt = req.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+        if max(prompt) >= len(tokenizer):
+            raise InvalidRequest("prompt contains a token id outside the vocabulary.", param="prompt")
+        return list(prompt)
+    text = prompt[0] if isinstance(prompt, list) else prompt
+    return encode(tokenizer, text, add_special_tokens=True)
+
+
+def _utf8_len(text: str) -> int:
+    return len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
+
+
+def _prompt_texts(req: ChatCompletionRequest | CompletionRequest) -> list[str]:
+    """The text the tokenizer would be given (a chat's before its template); none for token ids."""
+    if isinstance(req, ChatCompletionRequest):
+        return [m.text() for m in req.messages]
+    prompt = req.prompt
+    if isinstance(prompt, str):
+        return [prompt]
+    return [prompt[0]] if isinstance(prompt[0], str) else []
+
+
+@functools.lru_cache(maxsize=8)
+def longest_token_bytes(tokenizer: Any) -> int:
+    """The most bytes of text one token of ``tokenizer`` stands for, so that no text of more than
+    ``n`` times as many bytes fits in ``n`` tokens. A byte-level BPE vocabulary spells each byte as one
+    character; any other token's UTF-8 length is at least the bytes it stands for (sentencepiece's
+    ``▁`` or a byte-fallback ``<0x0A>`` stand for one)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    vocab = backend.get_vocab(with_added_tokens=True) if backend is not None else tokenizer.get_vocab()
+    decoder = type(getattr(backend, "decoder", None)).__name__
+    added = set() if backend is None else {t.content for t in backend.get_added_tokens_decoder().values()}
+    longest = 1
+    for token in vocab:
+        if decoder == "ByteLevel" and token not in added:
+            longest = max(longest, len(token))
+        else:
+            longest = max(longest, len(token.encode("utf-8", "surrogatepass")))
+    return longest
+
+
+def check_prompt_bytes(
+    req: ChatCompletionRequest | CompletionRequest, max_num_tokens: int, bytes_per_token: int
+) -> None:
+    """Refuse, without tokenizing it, a prompt whose text cannot fit in ``max_num_tokens`` tokens of at
+    most ``bytes_per_token`` bytes each: a 400 ``context_length_exceeded`` like the one a too long
+    tokenized prompt gets. Token-id prompts are not tokenized and pass."""
+    num_bytes = sum(_utf8_len(t) for t in _prompt_texts(req))
+    cap = max_num_tokens * bytes_per_token
+    if num_bytes > cap:
+        raise PolicyViolation(
+            f"The prompt has {num_bytes} bytes of text; this request may have at most {max_num_tokens} "
+            f"prompt tokens, which no text over {cap} bytes fits in.",
+            code="context_length_exceeded",
+            param="messages" if isinstance(req, ChatCompletionRequest) else "prompt",
+        )
+
+
+def _prompt_chars(req: ChatCompletionRequest | CompletionRequest) -> int:
+    if isinstance(req, ChatCompletionRequest):
+        return sum(len(m.text()) for m in req.messages)
+    prompt = req.prompt
+    if isinstance(prompt, str):
+        return len(prompt)
+    return len(prompt[0]) if isinstance(prompt[0], str) else len(prompt) * 8
+
+
+class TokenizePool:
+    """Runs tokenizing on ``num_threads`` threads with at most ``max_waiting`` jobs queued behind them.
+    A job beyond that is refused at once (429 ``tokenizer_busy`` with ``Retry-After``) instead of
+    queued: the wait for a thread is bounded by the queue's length times the longest job, which the
+    byte cap bounds.
+
+    Args:
+        num_threads: Threads tokenizing at once.
+        max_waiting: Jobs that may wait for a thread.
+    """
+
+    def __init__(self, num_threads: int, max_waiting: int) -> None:
+        self._executor = ThreadPoolExecutor(num_threads, thread_name_prefix="kvgate-tokenize")
+        # A job holds its room until it has run, even when its caller stopped waiting for it.
+        self._room = threading.BoundedSemaphore(num_threads + max_waiting)
+
+    async def run(self, fn: Callable[[], T]) -> T:
+        """``fn()`` on a pool thread.
+
+        Raises:
+            QuotaExceeded: The pool's threads and queue are full (429 ``tokenizer_busy``).
+        """
+        if not self._room.acquire(blocking=False):
+            raise exceeded("The server is tokenizing too many prompts; retry shortly.", 1.0, "tokenizer_busy")
+        try:
+            job = self._executor.submit(fn)
+        except BaseException:
+            self._room.release()
+            raise
+        job.add_done_callback(lambda _: self._room.release())
+        return await asyncio.wrap_future(job)
+
+
+@functools.cache
+def tokenize_pool(num_threads: int, max_waiting: int) -> TokenizePool:
+    """The process's pool of that shape: tokenizing shares the process's cores, whatever app asks."""
+    return TokenizePool(num_threads, max_waiting)
+
+
+async def tokenize(
+    tokenizer: Any,
+    req: ChatCompletionRequest | CompletionRequest,
+    segments: SegmentCache | None = None,
+    namespace: str | None = None,
+    pool: TokenizePool | None = None,
+) -> list[int]:
+    """The request's prompt ids; a chat's through ``segments`` (under ``namespace``) when given. A long
+    prompt is tokenized off the event loop: on ``pool``, or on a fresh thread without one (tools)."""
+    if isinstance(req, ChatCompletionRequest):
+        fn = functools.partial(chat_token_ids, tokenizer, req, segments, namespace)
+    else:
+        fn = functools.partial(text_token_ids, tokenizer, req)
+    if _prompt_chars(req) <= INLINE_TOKENIZE_CHARS:
+        ids = fn()
+    else:
+        ids = await (asyncio.to_thread(fn) if pool is None else pool.run(fn))
+    if not ids:
+        raise InvalidRequest("The prompt is empty.", param="prompt")
+    return ids
