@@ -3,10 +3,19 @@
 from __future__ import annotations
 
 import math
+from bisect import bisect_left
+from dataclasses import replace
+from itertools import accumulate
 
 import pytest
 
-from engine import InvalidRequestError, InvalidSamplingParamsError, PromptTooLongError, SamplingParams
+from engine import (
+    InvalidRequestError,
+    InvalidSamplingParamsError,
+    PromptTooLongError,
+    RequestOutput,
+    SamplingParams,
+)
 
 
 @pytest.fixture(scope="module")
@@ -69,19 +78,71 @@ def test_top_k_one_is_greedy(engine):
     assert greedy.token_ids == topk.token_ids
 
 
-def test_stop_token_ids_and_strings(engine):
-    base = engine.generate([[30, 31]], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]
+STOP_PROMPT = [30, 31]
+STOP_GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+def _streamed(engine, prompt, params) -> tuple[list[str], RequestOutput]:
+    """Run one request step by step: the text deltas a stream hands out, and its final output."""
+    request_id = engine.add_request(prompt, params)
+    deltas, last = [], None
+    while last is None or not last.finished:
+        for out in engine.step():
+            assert out.request_id == request_id
+            deltas.append(out.outputs[0].new_text)
+            last = out
+    return deltas, last
+
+
+def _stop_string(deltas: list[str], across: bool) -> tuple[str, int]:
+    """A stop string taken from a greedy run's per-token deltas whose first occurrence lies within one
+    token's text, or straddles two tokens (``across``); with the number of tokens that complete it."""
+    ends = list(accumulate(len(d) for d in deltas))
+    text = "".join(deltas)
+    middle = range(len(deltas) // 2, len(deltas))  # candidates from the second half of the run
+    if across:
+        candidates = [deltas[k - 1][-2:] + deltas[k][:2] for k in middle
+                      if len(deltas[k - 1]) >= 2 and len(deltas[k]) >= 2]
+    else:
+        candidates = [deltas[k][i:i + 2] for k in middle for i in range(len(deltas[k]) - 1)]
+    for needle in candidates:
+        start = text.index(needle)
+        num_tokens = bisect_left(ends, start + len(needle)) + 1  # the token that completes it
+        first = 0 if num_tokens == 1 else ends[num_tokens - 2]  # where that token's text begins
+        if (first > start) == across:
+            return needle, num_tokens
+    raise AssertionError(f"no stop string {'across' if across else 'within'} tokens in {deltas!r}")
+
+
+def test_stop_token_ids(engine):
+    base = engine.generate([STOP_PROMPT], STOP_GREEDY)[0]
     stop_tok = base.token_ids[3]
-    out = engine.generate([[30, 31]], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
-                                                     stop_token_ids=[stop_tok]))[0]
+    out = engine.generate([STOP_PROMPT], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                                                        stop_token_ids=[stop_tok]))[0]
     assert out.finish_reason == "stop" and out.token_ids[-1] == stop_tok
     assert len(out.token_ids) == base.token_ids.index(stop_tok) + 1
-    text = base.text
-    needle = text[len(text) // 2:len(text) // 2 + 3]
-    if needle.strip():
-        out = engine.generate([[30, 31]], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
-                                                         stop=[needle]))[0]
-        assert out.finish_reason == "stop" and needle not in out.text and text.startswith(out.text)
+
+
+@pytest.mark.parametrize("across", [False, True], ids=["within-a-token", "across-tokens"])
+def test_stop_string_ends_the_text_before_it(engine, across):
+    """A stop string the greedy run is known to produce: generation stops at the token that completes it,
+    and the text ends just before its first occurrence."""
+    deltas, base = _streamed(engine, STOP_PROMPT, STOP_GREEDY)
+    assert base.text == "".join(deltas) and base.finish_reason == "length"
+    needle, num_tokens = _stop_string(deltas, across)
+    out = engine.generate([STOP_PROMPT], replace(STOP_GREEDY, stop=[needle]))[0]
+    assert out.finish_reason == "stop" and out.outputs[0].stop_reason == needle
+    assert out.text == base.text[:base.text.index(needle)]
+    assert out.token_ids == base.token_ids[:num_tokens]
+
+
+@pytest.mark.parametrize("across", [False, True], ids=["within-a-token", "across-tokens"])
+def test_streamed_deltas_never_show_a_stop_string(engine, across):
+    deltas, base = _streamed(engine, STOP_PROMPT, STOP_GREEDY)
+    needle, _ = _stop_string(deltas, across)
+    deltas, out = _streamed(engine, STOP_PROMPT, replace(STOP_GREEDY, stop=[needle]))
+    assert out.finish_reason == "stop" and out.text == base.text[:base.text.index(needle)]
+    assert "".join(deltas) == out.text
 
 
 def test_n_samples_and_logprobs(engine):

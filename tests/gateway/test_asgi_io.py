@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import Sequence
 
 import pytest
 from litestar.exceptions.http_exceptions import RequestEntityTooLarge
+from structlog.testing import capture_logs
 
+import gateway.errors
 from gateway.asgi_io import ClientGone, StreamReply, WholeReply, read_body, send_reply
 
 from .conftest import open_gateway, tenant_events
@@ -156,9 +159,9 @@ async def test_stream_reply_settles_even_when_nothing_could_be_sent():
     assert src.num_finished == 1  # the generator never started, yet the request is settled
 
 
-async def test_a_client_gone_before_its_body_is_answered_by_nobody(tmp_path, db_url, llm):
-    """Nothing is admitted or reserved, nothing is sent, no error is logged as a 500; the key was good,
-    so its auth.success is recorded."""
+async def test_a_client_gone_before_its_body_is_answered_by_nobody(tmp_path, db_url, llm, caplog):
+    """Nothing is admitted or reserved, nothing is sent, no error is logged (a 500 would log
+    request.unhandled); the key was good, so its auth.success is recorded."""
     async for gw in open_gateway(tmp_path, db_url, llm):
         tid, key = await gw.make_tenant()
         app, sent = gw.client.app, []
@@ -173,7 +176,11 @@ async def test_a_client_gone_before_its_body_is_answered_by_nobody(tmp_path, db_
             sent.append(message)
 
         receive = _receiver(_body(b'{"model": ', True), {"type": "http.disconnect"})
-        await asyncio.to_thread(gw.client.blocking_portal.call, app, scope, receive, send)
+        with caplog.at_level(logging.ERROR), capture_logs() as events:
+            await asyncio.to_thread(gw.client.blocking_portal.call, app, scope, receive, send)
+            gateway.errors.log.error("capture.probe")  # the logger a 500 goes to is captured here
+        assert [e["event"] for e in events if e["log_level"] in ("error", "critical")] == ["capture.probe"]
+        assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
         assert sent == []
         r = await gw.client.get(f"/admin/v1/tenants/{tid}/usage?window=minute", headers=gw.admin())
         assert sum(row["num_requests"] for row in r.json()) == 0

@@ -11,6 +11,8 @@ import httpx
 import openai
 import pytest
 
+from gateway.settings import Settings
+
 KVGATE = [sys.executable, "-c", "from gateway.cli import app; app()"]
 
 
@@ -86,22 +88,25 @@ def test_end_to_end_with_openai_sdk(server):
         base_url=f"{base}/v1", api_key=key, http_client=httpx.Client(verify=str(ca)), max_retries=0
     )
     model = client.models.list().data[0].id
-    chat = client.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": "hello"}], max_tokens=4
-    )
+    messages = [{"role": "user", "content": "hello, tell me about the sea and the stars " * 4}]
+    chat = client.chat.completions.create(model=model, messages=messages, max_tokens=4)
     assert chat.choices[0].finish_reason == "length" and chat.usage.completion_tokens == 4
+    assert chat.usage.prompt_tokens_details.cached_tokens == 0  # the tenant's first prompt
     chunks = list(
         client.chat.completions.create(
             model=model,
-            messages=[{"role": "user", "content": "hello"}],
+            messages=messages,
             max_tokens=4,
             stream=True,
             stream_options={"include_usage": True},
         )
     )
-    assert (
-        chunks[-1].usage.completion_tokens == 4 and chunks[-1].usage.prompt_tokens_details.cached_tokens >= 0
-    )
+    usage = chunks[-1].usage
+    assert usage.completion_tokens == 4 and usage.prompt_tokens == chat.usage.prompt_tokens
+    # The same prompt again: every full KV block before its last token comes from the prefix cache.
+    block_size = Settings(data_dir=data_dir).engine_config().block_size
+    num_cached = (usage.prompt_tokens - 1) // block_size * block_size
+    assert num_cached >= 2 * block_size and usage.prompt_tokens_details.cached_tokens == num_cached
     text = client.completions.create(model=model, prompt="The sky is", max_tokens=3)
     assert text.usage.completion_tokens == 3
     with pytest.raises(openai.AuthenticationError):

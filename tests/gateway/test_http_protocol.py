@@ -110,12 +110,14 @@ def test_serve_takes_the_edge_limits_as_flags(tmp_path) -> None:
 
 @pytest.mark.parametrize("use_tls", [False, True])
 async def test_uvicorn_serves_whole_and_streamed_responses(tmp_path, use_tls: bool) -> None:
-    """Through a real uvicorn on loopback: keep-alive requests, a whole body, a stream, a 404, HEAD; a
-    request body many times the head limit, and two requests sent in one write (the limit counts heads)."""
+    """Through a real uvicorn on loopback: a whole body, a stream, a 404 and HEAD, all over one keep-alive
+    connection (each response names the client port the server saw); a request body many times the head
+    limit, and two requests sent in one write (the limit counts heads)."""
 
     async def app(scope, receive, send):  # noqa: ANN001
         if scope["type"] != "http":
             return
+        peer = [(b"x-client-port", str(scope["client"][1]).encode())]
         if scope["path"] == "/echo":
             size, more = 0, True
             while more:
@@ -127,7 +129,7 @@ async def test_uvicorn_serves_whole_and_streamed_responses(tmp_path, use_tls: bo
             await send({"type": "http.response.body", "body": body})
             return
         if scope["path"] == "/stream":
-            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.start", "status": 200, "headers": peer})
             for i in range(3):
                 await asyncio.sleep(0.01)
                 await send({"type": "http.response.body", "body": b"x%d" % i, "more_body": True})
@@ -135,7 +137,7 @@ async def test_uvicorn_serves_whole_and_streamed_responses(tmp_path, use_tls: bo
             return
         status, body = (200, b"hello") if scope["path"] == "/" else (404, b"missing")
         await send({"type": "http.response.start", "status": status,
-                    "headers": [(b"content-length", str(len(body)).encode())]})
+                    "headers": [(b"content-length", str(len(body)).encode()), *peer]})
         await send({"type": "http.response.body", "body": body})
 
     tls: dict = {}
@@ -157,15 +159,20 @@ async def test_uvicorn_serves_whole_and_streamed_responses(tmp_path, use_tls: bo
     scheme = "https" if use_tls else "http"
     try:
         async with httpx.AsyncClient(base_url=f"{scheme}://127.0.0.1:{port}", verify=verify) as client:
-            for _ in range(3):  # one keep-alive connection, reused
-                r = await client.get("/")
-                assert (r.status_code, r.content) == (200, b"hello")
+            responses = [await client.get("/") for _ in range(3)]
+            assert {(r.status_code, r.content) for r in responses} == {(200, b"hello")}
             r = await client.get("/stream")
             assert (r.status_code, r.content) == (200, b"x0x1x2")
+            responses.append(r)
             r = await client.get("/nope")
             assert (r.status_code, r.content) == (404, b"missing")
+            responses.append(r)
             r = await client.head("/")
             assert (r.status_code, r.content) == (200, b"")
+            responses.append(r)
+            # one connection served all six: the same client port each time, and the server holds one
+            assert len({r.headers["x-client-port"] for r in responses}) == 1
+            assert len(server.server_state.connections) == 1
             r = await client.post("/echo", content=b"x" * 300_000, headers={"x-pad": "p" * 1500})
             assert (r.status_code, r.content) == (200, b"300000")
         reader, writer = await asyncio.open_connection("127.0.0.1", port, ssl=verify if use_tls else None)

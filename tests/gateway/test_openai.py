@@ -142,14 +142,34 @@ async def test_context_length_exceeded(gw):
 
 
 async def test_stream_finish_with_stop_string(gw):
+    """A stop string the greedy run is known to produce (inside one token's text): the stream ends with
+    finish_reason "stop", and its deltas add up to the text before the stop string, never showing it."""
     h = await tenant_headers(gw)
     model = gw.runtime.engine.model_name
     base = {"model": model, "prompt": "a b c", "max_tokens": 8, "temperature": 0}
-    text = (await gw.client.post("/v1/completions", headers=h, json=base)).json()["choices"][0]["text"]
-    stop = text.strip()[:2] if text.strip() else None
-    if stop:
-        r = (await gw.client.post("/v1/completions", headers=h, json=base | {"stop": [stop]})).json()
-        assert stop not in r["choices"][0]["text"] and r["choices"][0]["finish_reason"] == "stop"
+    ref = (await gw.client.post("/v1/completions", headers=h, json=base | {"logprobs": 1})).json()
+    text, tokens = ref["choices"][0]["text"], ref["choices"][0]["logprobs"]["tokens"]
+    assert "".join(tokens) == text and ref["choices"][0]["finish_reason"] == "length"
+    stop = _stop_within_a_token(tokens)
+    r = await gw.client.post("/v1/completions", headers=h, json=base | {"stop": [stop], "stream": True})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    choices = [c for e in sse_events(r.text) for c in e["choices"]]
+    streamed = "".join(c["text"] for c in choices)
+    assert stop not in streamed and streamed == text[: text.index(stop)]
+    assert [c["finish_reason"] for c in choices if c["finish_reason"]] == ["stop"]
+    assert choices[-1]["finish_reason"] == "stop"
+
+
+def _stop_within_a_token(tokens: list[str]) -> str:
+    """Two characters of a later token whose first occurrence in the text lies inside one token."""
+    text, starts = "".join(tokens), [sum(map(len, tokens[:k])) for k in range(len(tokens))]
+    for k in range(len(tokens) // 2, len(tokens)):
+        for i in range(len(tokens[k]) - 1):
+            stop = tokens[k][i : i + 2]
+            at = text.index(stop)
+            if any(s <= at and at + 2 <= s + len(t) for s, t in zip(starts, tokens, strict=True)):
+                return stop
+    raise AssertionError(f"no two characters inside one token of {tokens!r}")
 
 
 def test_sse_payload_is_compact_json():
