@@ -12,7 +12,7 @@ from audit.sink import store_txn_sink
 from audit.store import AuditStore, AuditUnavailable
 from gateway.audit_hook import AuditHook, AuditUnavailableError, TxnStep
 from gateway.cli import app
-from gateway.cli.common import DataDirOpt, DbUrlOpt, build_settings, run
+from gateway.cli.common import DataDirOpt, DbUrlOpt, prepared_settings, run
 from gateway.errors import GatewayError
 from gateway.schemas.admin import ADMIN_SCOPES, MAX_EXPIRES_IN_SECONDS, AdminTokenCreate
 from gateway.secrets import Hasher, load_or_create_pepper
@@ -28,7 +28,7 @@ app.add_typer(admin_app, name="admin")
 
 
 def _with_session(data_dir: Path | None, db_url: str | None, fn):  # type: ignore[no-untyped-def]
-    settings = build_settings(data_dir=data_dir, db_url=db_url)
+    settings = prepared_settings(data_dir=data_dir, db_url=db_url)
     hasher = Hasher(load_or_create_pepper(settings.data_dir))
 
     async def go():  # type: ignore[no-untyped-def]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import typer
 
 from gateway.cli import app
-from gateway.cli.common import DataDirOpt, DbUrlOpt, build_settings, run
+from gateway.cli.common import DataDirOpt, DbUrlOpt, build_settings, prepared_settings, run
 from gateway.storage import migrate
 
 db_app = typer.Typer(help="Database migrations.", no_args_is_help=True)
@@ -15,8 +15,7 @@ app.add_typer(db_app, name="db")
 @db_app.command("upgrade")
 def upgrade(revision: str = "head", data_dir: DataDirOpt = None, db_url: DbUrlOpt = None) -> None:
     """Apply migrations up to REVISION (default: head)."""
-    settings = build_settings(data_dir=data_dir, db_url=db_url)
-    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    settings = prepared_settings(data_dir=data_dir, db_url=db_url)
     run(lambda: migrate.upgrade(settings.database_url, revision))
     typer.echo(f"database upgraded to {revision}")
 

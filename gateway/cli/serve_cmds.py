@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import os
 from pathlib import Path
 from typing import IO, Annotated, Any
 
@@ -12,8 +11,8 @@ import structlog
 import typer
 
 from gateway.cli import app
-from gateway.cli.common import DataDirOpt, DbUrlOpt, build_settings, run
-from gateway.secrets import UnsafeSecretPath, load_or_create_pepper, private_dir, private_file
+from gateway.cli.common import DataDirOpt, DbUrlOpt, build_settings, prepare_data_dir, run
+from gateway.secrets import UnsafeSecretPath
 from gateway.settings import Settings
 
 
@@ -79,17 +78,6 @@ def uvicorn_options(settings: Settings) -> dict[str, Any]:
         "ws": "none",
         "http": EdgeHttpToolsProtocol.bind(limits),
     }
-
-
-def prepare_data_dir(settings: Settings) -> None:
-    """Make what this process creates private from here on (umask 077), the data dir 0700 and the
-    SQLite database 0600 (SQLite gives its journal files the database's mode), and load the pepper, so
-    that an unsafe data dir stops ``serve`` before anything else starts."""
-    os.umask(0o077)
-    private_dir(settings.data_dir)
-    if settings.db_url is None:
-        private_file(settings.data_dir / "kvgate.db")
-    load_or_create_pepper(settings.data_dir)
 
 
 def _tls_kwargs(settings: Settings) -> dict[str, str]:

@@ -145,3 +145,19 @@ def test_serve_refuses_a_linked_pepper_with_a_clear_error(tmp_path: Path) -> Non
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert f"kvgate: {data_dir / 'pepper'} is a symbolic link" in proc.stderr
     assert not (tmp_path / "elsewhere").exists()
+
+
+@pytest.mark.parametrize("command", [["db", "upgrade"], ["admin", "bootstrap"]])
+def test_the_first_command_on_a_new_machine_makes_the_data_dir_private(tmp_path: Path, command) -> None:
+    """``kvgate db upgrade`` or ``kvgate admin bootstrap`` may run before the first ``serve``: whichever
+    creates the data dir and the SQLite database makes them private, under umask 022 too."""
+    data_dir = tmp_path / "fresh"
+    code = "import os; os.umask(0o022); from gateway.cli import app; app()"
+    env = os.environ | {"KVGATE_DATA_DIR": str(data_dir)}
+    if command[0] == "admin":
+        subprocess.run([sys.executable, "-c", code, "db", "upgrade"], env=env, check=True, capture_output=True)
+        data_dir.chmod(0o755)
+        (data_dir / "kvgate.db").chmod(0o644)
+    subprocess.run([sys.executable, "-c", code, *command], env=env, check=True, capture_output=True)
+    assert _mode(data_dir) == 0o700 and _mode(data_dir / "kvgate.db") == 0o600
+    assert not [p for p in data_dir.rglob("*") if p.stat().st_mode & 0o077]
