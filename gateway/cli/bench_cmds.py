@@ -63,3 +63,26 @@ def bench_chat_tokenize(
     write_results(rows, config, out)
     typer.echo(format_table(rows))
     typer.echo(f"JSON: {out}")
+
+
+@bench_app.command("soak")
+def bench_soak(
+    streams: int = typer.Option(48, help="Concurrent streaming clients, each sending one chat after another"),
+    duration_s: float = typer.Option(120.0, help="Seconds per round"),
+    rounds: int = typer.Option(3, help="Rounds in a row against the same server"),
+    max_tokens: int = typer.Option(256, help="max_tokens of every chat"),
+    prompt_words: int = typer.Option(350, help="Words of real prose per prompt"),
+    temperature: float = typer.Option(1.0, help="Sampling temperature (OpenAI's default is 1)"),
+    model: str = typer.Option(None, help="Model directory or .gguf (default model)"),
+    dtype: str = typer.Option(None, help="The server's dtype (its default if unset)"),
+    out: str = typer.Option("bench-results/soak.json", help="Where to write the JSON results"),
+    seed: int = typer.Option(0),
+) -> None:
+    """Streaming chats flooding `kvgate serve` as `make serve` starts it; the verdict: did any fail."""
+    from bench.soak import SoakConfig, run_soak
+
+    cfg = SoakConfig(streams, duration_s, rounds, max_tokens, prompt_words, temperature, seed)
+    overrides = {k: v for k, v in {"model": model, "dtype": dtype}.items() if v is not None}
+    rows = run_soak(cfg, overrides, out)
+    if any(r.failures or not r.is_ready_after for r in rows):
+        raise typer.Exit(1)
