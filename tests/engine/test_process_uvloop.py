@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 import uvloop
@@ -64,3 +65,31 @@ def test_a_flood_of_concurrent_streams_on_uvloop(tiny_llama_dir):
 
     results = _on_uvloop(main)
     assert all(r.finished and len(r.outputs[0].token_ids) == 128 for r in results)
+
+
+def test_the_loops_work_per_output_stays_flat_as_a_request_grows(tiny_llama_dir):
+    # What the event loop spends per output (reading the pipe, folding the delta, handing the output
+    # over) must not grow with the request's length: with cumulative outputs it grew with every token.
+    config = EngineConfig(model=str(tiny_llama_dir), num_kv_blocks=256, max_model_len=2048)
+    params = SamplingParams(temperature=1.0, seed=2, max_tokens=800, logprobs=20, ignore_eos=True)
+
+    async def main():
+        engine = ProcessLLMEngine(config)
+        engine.start()
+        try:
+            stamps = []  # (tokens so far, this thread's CPU seconds) at each output
+            async for out in engine.generate("A long tale", params):
+                stamps.append((len(out.outputs[0].token_ids), time.thread_time()))
+            return stamps
+        finally:
+            engine.shutdown()
+
+    stamps = _on_uvloop(main)
+    assert stamps[-1][0] == 800
+
+    def cpu_per_token(lo: int, hi: int) -> float:
+        window = [(n, t) for n, t in stamps if lo <= n < hi]
+        return (window[-1][1] - window[0][1]) / (window[-1][0] - window[0][0])
+
+    early, late = cpu_per_token(50, 300), cpu_per_token(550, 800)
+    assert late < 2 * early + 50e-6, (early, late)
