@@ -2,105 +2,25 @@
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncGenerator
 from typing import Any
 
-import anyio
 import structlog
 from litestar.types import Receive
 
 from engine.errors import InvalidRequestError
 from gateway import openai_format as fmt
 from gateway.asgi_io import StreamReply, WholeReply, unless_client_leaves
-from gateway.audit_hook import AuditUnavailableError, DeferredEvent
+from gateway.audit_hook import DeferredEvent
 from gateway.errors import ClientError, InvalidRequest, ServiceUnavailable, error_body
 from gateway.runtime import Runtime
 from gateway.schemas.openai import ChatCompletionRequest, CompletionRequest
-from gateway.services import retention
 from gateway.services.admission import Admission, admit
 from gateway.services.keys import Principal
-from gateway.services.receipts import Receipt
+from gateway.services.settlement import Progress, finish, finish_soon, until_committed
 
 log = structlog.get_logger()
 ENGINE_RETRY_AFTER_S = 5  # about a restarted engine's start-up on the default model
-
-
-class _Progress:
-    """What the engine has produced so far, so an abort still settles real usage."""
-
-    __slots__ = ("last", "num_tokens", "num_chars", "is_done")
-
-    def __init__(self) -> None:
-        self.last: Any = None
-        self.num_tokens: dict[int, int] = {}
-        self.num_chars: dict[int, int] = {}
-        self.is_done = False
-
-    def usage(self, adm: Admission) -> tuple[int, int, int]:
-        num_completion = 0 if self.last is None else sum(len(o.token_ids) for o in self.last.outputs)
-        num_cached = 0 if self.last is None else self.last.num_cached_tokens
-        return len(adm.prompt_token_ids), num_completion, num_cached
-
-
-async def _maybe_retain(rt: Runtime, adm: Admission, last: Any) -> None:
-    """Keep the prompt and what was generated, encrypted, when the tenant's policy asks for it."""
-    if adm.retain_days and last is not None:
-        texts = [o.text for o in last.outputs]
-        tenant_id = adm.principal.tenant_id or ""
-        await retention.retain(rt, tenant_id, adm.request_id, adm.retained_prompt, texts, adm.retain_days)
-
-
-async def _settle_audited(rt: Runtime, adm: Admission, usage: tuple[int, int, int], fields: dict) -> None:
-    """Settle and record ``request.finished`` in one transaction when the audit sink can join it. The
-    event is not required (the work is done), so when it cannot be recorded the settlement still is."""
-    try:
-        step = rt.audit.step("request.finished", **fields)
-    except AuditUnavailableError:  # already logged; settle anyway, and emit() below tries once more
-        step = None
-    try:
-        try:
-            await rt.quota.settle(adm.reservation, *usage, then=step)
-        except AuditUnavailableError:
-            await rt.quota.settle(adm.reservation, *usage)
-    except Exception as e:  # noqa: BLE001
-        log.error("quota.settle_failed", request_id=adm.request_id, error_type=type(e).__name__, exc_info=e)
-    if step is None:
-        await rt.audit.emit("request.finished", required=False, **fields)
-
-
-async def _finish(rt: Runtime, adm: Admission, progress: _Progress) -> None:
-    """Settle, record metrics and audit. Shielded: it must complete even when the client went away."""
-    with anyio.CancelScope(shield=True):
-        if not progress.is_done:
-            rt.engine.abort(adm.request_id)
-        if not await _is_committed(adm):  # nothing was reserved or recorded: nothing to settle
-            return
-        num_prompt, num_completion, num_cached = progress.usage(adm)
-        last = progress.last
-        await _maybe_retain(rt, adm, last)
-        fields = {
-            "request_id": adm.request_id,
-            "tenant_id": adm.principal.tenant_id,
-            "key_id": adm.principal.key_id,
-            "finish_reasons": [] if last is None else [o.finish_reason for o in last.outputs],
-            "num_prompt_tokens": num_prompt,
-            "num_completion_tokens": num_completion,
-            "num_cached_tokens": num_cached,
-            "is_aborted": not progress.is_done,
-            **Receipt.of(adm, last).fields(),  # the determinism receipt `kvgate replay` checks
-        }
-        await _settle_audited(rt, adm, (num_prompt, num_completion, num_cached), fields)
-        m = None if last is None else last.metrics
-        rt.metrics.observe_finished(
-            adm.principal.tenant_id or "",
-            adm.kind,
-            "ok" if progress.is_done else "aborted",
-            num_prompt,
-            num_completion,
-            getattr(m, "time_to_first_token", None),
-            getattr(m, "mean_time_per_output_token", None),
-        )
 
 
 def _start(rt: Runtime, adm: Admission) -> AsyncGenerator[Any, None]:
@@ -113,7 +33,7 @@ def _start(rt: Runtime, adm: Admission) -> AsyncGenerator[Any, None]:
     )
 
 
-async def _first(rt: Runtime, adm: Admission, progress: _Progress) -> tuple[AsyncGenerator[Any, None], Any]:
+async def _first(rt: Runtime, adm: Admission, progress: Progress) -> tuple[AsyncGenerator[Any, None], Any]:
     """Start the request and wait for its first output, so engine-side validation errors are still 4xx."""
     gen = _start(rt, adm)
     try:
@@ -139,39 +59,8 @@ def engine_unavailable(adm: Admission, e: BaseException) -> ServiceUnavailable:
     )
 
 
-async def _finish_soon(rt: Runtime, adm: Admission, progress: _Progress) -> asyncio.Future | None:
-    """Finish a whole response's request: now, or, where this process's transactions run in the order
-    they start (SQLite's writer), as a task started here, whose settlement transaction is queued before
-    the response is even sent. Any later request of this process is then admitted after the settlement
-    (a one-at-a-time tenant's next request finds its slot free); the client just does not wait for the
-    commit. Returns that task, for the reply to await once it is sent, or ``None``."""
-    if not rt.txn.is_ordered or adm.retain_days:  # retention awaits its own write before the settlement
-        await _finish(rt, adm, progress)
-        return None
-    # The task's first step runs before any I/O the response can provoke, and queues the settlement
-    # without awaiting anything before it (``_finish`` reaches ``TxnRunner.run`` synchronously).
-    finishing = asyncio.ensure_future(_finish(rt, adm, progress))
-    rt.keep_finishing(finishing)
-    return finishing
-
-
-async def _is_committed(adm: Admission) -> bool:
-    try:
-        await _until_committed(adm)
-    except Exception:  # noqa: BLE001  (the request that waited for it reports the error)
-        return False
-    return True
-
-
-async def _until_committed(adm: Admission) -> None:
-    """Wait until the admission's reservation (and its audit events) are committed: the engine may start
-    before, but nothing it produced is shown before. If the commit fails, so does the request."""
-    if adm.reservation.committed is not None:
-        await adm.reservation.committed
-
-
 async def _run_whole(rt: Runtime, adm: Admission) -> WholeReply:
-    progress = _Progress()
+    progress = Progress()
     try:
         gen, out = await _first(rt, adm, progress)
         if out is not None and not out.finished:
@@ -180,11 +69,11 @@ async def _run_whole(rt: Runtime, adm: Admission) -> WholeReply:
                     progress.last, progress.is_done = out, out.finished
             except RuntimeError as e:
                 raise engine_unavailable(adm, e) from None
-        await _until_committed(adm)
+        await until_committed(adm)
     except BaseException:
-        await _finish(rt, adm, progress)
+        await finish(rt, adm, progress)
         raise
-    finishing = await _finish_soon(rt, adm, progress)
+    finishing = await finish_soon(rt, adm, progress)
     last = progress.last
     usage = fmt.usage_dict(*progress.usage(adm))
     body = fmt.full_response(
@@ -201,7 +90,7 @@ async def _run_whole(rt: Runtime, adm: Admission) -> WholeReply:
 
 
 def _chunks(
-    adm: Admission, out: Any, progress: _Progress, include_usage: bool, text_of: fmt.TokenText
+    adm: Admission, out: Any, progress: Progress, include_usage: bool, text_of: fmt.TokenText
 ) -> list[bytes]:
     choices = []
     for o in out.outputs:
@@ -235,7 +124,7 @@ async def _stream(
     adm: Admission,
     gen: AsyncGenerator[Any, None],
     first: Any,
-    progress: _Progress,
+    progress: Progress,
     include_usage: bool,
 ) -> AsyncGenerator[bytes, None]:
     """The SSE chunks; the reply's ``finish`` settles the request once they end, however they end."""
@@ -304,16 +193,16 @@ async def handle(
         if receive is None:
             return await _run_whole(rt, adm)
         return await unless_client_leaves(_run_whole(rt, adm), receive)
-    progress = _Progress()
+    progress = Progress()
     try:
         gen, first = await _first(rt, adm, progress)
-        await _until_committed(adm)
+        await until_committed(adm)
     except BaseException:
-        await _finish(rt, adm, progress)
+        await finish(rt, adm, progress)
         raise
     headers = adm.headers | {"cache-control": "no-cache", "x-accel-buffering": "no"}
     return StreamReply(
         _stream(rt, adm, gen, first, progress, req.include_usage),
         headers,
-        lambda: _finish(rt, adm, progress),
+        lambda: finish(rt, adm, progress),
     )
