@@ -41,6 +41,9 @@ DEFAULT_ALLOWED_KEYS = frozenset({
 ALLOWED_PREFIXES = ("num_", "is_", "max_", "min_")
 ALLOWED_SUFFIXES = ("_ms", "_s", "_bytes", "_count", "_id", "_ids", "_seq")
 NOT_ALLOWED = "[not-allowlisted]"
+# The gateway's own ids: a request's content that happens to equal one (a prompt that is its tenant id)
+# must not erase it from every line of that request, so registered content is not scrubbed from them.
+ID_KEYS = frozenset({"request_id", "tenant_id", "key_id", "actor"})
 
 
 def keyed_hash(value: str | bytes, key: bytes) -> str:
@@ -69,6 +72,8 @@ class Redactor:
                 out[key] = self.summarize(value)
             elif _is_secret_key(key):
                 out[key] = REDACTED
+            elif key in ID_KEYS and isinstance(value, str):
+                out[key] = scrub_text(value)
             elif self.is_allowed(key):
                 out[key] = value if is_digest_field(key, value) else self.scrub(value, sensitive)
             else:

@@ -199,15 +199,16 @@ class AuditStore:
         return Head(seq, link, chain_hash), row
 
     def _new_record(self, seq: int, event: AuditEvent) -> dict[str, Any]:
-        sensitive = get_sensitive()
         # Round-trip through JSON so the hashed form equals what a reader will parse back.
         data = orjson.loads(orjson.dumps(event.data, default=str,
                                          option=orjson.OPT_NON_STR_KEYS | orjson.OPT_SORT_KEYS))
-        ids = {k: (scrub_text(v, sensitive) if v else None) for k, v in
-               (("tenant_id", event.tenant_id), ("key_id", event.key_id),
-                ("request_id", event.request_id), ("actor", event.actor))}
+        # The id columns are stored as given, never scrubbed: ids are the gateway's own, not secrets, and
+        # a tenant-filtered export selects by them (a request whose prompt was its own tenant id once had
+        # its events' tenant id replaced, and they vanished from that tenant's export).
         return {"seq": seq, "event_id": secrets.token_hex(16), "ts": now_ts(), "name": event.name,
-                **ids, "data": _scrub_data(data, sensitive)}
+                "tenant_id": event.tenant_id or None, "key_id": event.key_id or None,
+                "request_id": event.request_id or None, "actor": event.actor or None,
+                "data": _scrub_data(data, get_sensitive())}
 
     def _insert_checkpoint(self, conn: Connection, head: Head) -> Checkpoint:
         created_at = now_ts()

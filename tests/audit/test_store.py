@@ -47,6 +47,21 @@ async def test_context_ids_and_no_secrets_in_table(store: AuditStore) -> None:
     assert len(store.keys.prompt_hash("x")) == 32
 
 
+async def test_ids_are_stored_as_given_when_a_prompt_holds_them(store: AuditStore, tmp_path: Path) -> None:
+    ids = {"request_id": "req-77f3", "tenant_id": "tenant-4f2a9c1e", "key_id": "0123456789abcdef"}
+    with request_context(**ids):
+        register_sensitive(*ids.values(), "admin-9f1c")  # a chat whose messages are its own ids
+        await store.append(make_event(REQUEST_FINISHED, model="m", finish_reason="stop"))
+        await store.append(make_event(ADMIN_ACTION, actor="admin-9f1c", action="key.update"))
+    async with store.engine.connect() as conn:
+        rows = (await conn.execute(select(audit_events).order_by(audit_events.c.seq))).mappings().all()
+    assert [(r["request_id"], r["tenant_id"], r["key_id"], r["actor"]) for r in rows] == [
+        (*ids.values(), None), (*ids.values(), "admin-9f1c")]
+    await export_bundle(store, tmp_path / "tenant", ExportSpec(tenant=ids["tenant_id"]))
+    result = verify_bundle(tmp_path / "tenant", store.keys.public_key)
+    assert result.ok and result.num_events == 2, result
+
+
 async def test_unavailable_store_fails_closed(tmp_path: Path) -> None:
     store = await AuditStore.open(f"sqlite+aiosqlite:///{tmp_path / 'a.db'}", tmp_path, create_tables=True)
     async with store.engine.begin() as conn:
