@@ -230,13 +230,15 @@ class AuditStore:
     async def purge(self, before: datetime, *, actor: str | None = None) -> PurgeResult:
         """Delete the prefix of events older than ``before``, keeping a signed checkpoint at the cut.
 
-        The chain stays verifiable from that checkpoint; the purge itself is recorded as an event.
+        The cut is a sequence number: the events before the first one stamped at or after ``before``.
+        Replicas stamp events with their own clocks, so timestamps need not grow with ``seq``; an event
+        stamped old after a newer one is kept, with everything after it. The chain stays verifiable
+        from the checkpoint; the purge itself is recorded as an event.
         """
         with _fail_closed("purge"):
             async with self._local_lock, self.engine.begin() as conn:
                 head = await conn.run_sync(_lock_head)
-                cut = (await conn.execute(select(func.max(audit_events.c.seq)).where(
-                    audit_events.c.ts < format_ts(before)))).scalar()
+                cut = await _purge_cut(conn, format_ts(before))
                 num_deleted = 0
                 if cut is not None:
                     await self._ensure_checkpoint_at(conn, cut)
@@ -276,6 +278,16 @@ class AuditStore:
             for row in rows:
                 yield {**{c: row[c] for c in _RECORD_COLUMNS}, "data": orjson.loads(row["data"])}
             cursor = rows[-1]["seq"] + 1
+
+
+async def _purge_cut(conn: AsyncConnection, before: str) -> int | None:
+    """The last ``seq`` of the longest prefix of stored events all stamped before ``before``."""
+    first_kept = (await conn.execute(select(func.min(audit_events.c.seq)).where(
+        audit_events.c.ts >= before))).scalar()
+    q = select(func.max(audit_events.c.seq))
+    if first_kept is not None:
+        q = q.where(audit_events.c.seq < first_kept)
+    return (await conn.execute(q)).scalar()
 
 
 def _lock_head(conn: Connection) -> Head:

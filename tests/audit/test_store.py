@@ -13,7 +13,7 @@ from audit.events import ADMIN_ACTION, AUDIT_PURGED, REQUEST_FINISHED, make_even
 from audit.export import ExportSpec, export_bundle
 from audit.integrity import verify_store
 from audit.retention import RecordUnreadable, RetentionStore, load_or_create_master_key
-from audit.store import AuditStore, AuditUnavailable, make_audit_engine
+from audit.store import AuditStore, AuditUnavailable, format_ts, make_audit_engine
 from audit.tables import audit_checkpoints, audit_events, retained_prompts
 from audit.verify import verify_bundle
 from tests.audit.conftest import append_events
@@ -90,6 +90,23 @@ async def test_purge_keeps_remaining_chain_verifiable(store: AuditStore, tmp_pat
     assert manifest["anchor"]["seq"] == 9
     result = verify_bundle(tmp_path / "after", store.keys.public_key)
     assert result.ok and result.first_seq == 10, result
+
+
+async def test_purge_cuts_by_sequence_when_clocks_disagree(store: AuditStore,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    # Replicas share the chain with skewed clocks: seq 5 comes from one that runs an hour behind.
+    cut_time = datetime(2026, 3, 1, 12, tzinfo=UTC)
+    for hours in (-3, -2, -1, +1, -1, +2):
+        stamp = format_ts(cut_time + timedelta(hours=hours))
+        monkeypatch.setattr("audit.store.now_ts", lambda stamp=stamp: stamp)
+        await append_events(store, 1)
+    monkeypatch.undo()
+    result = await store.purge(cut_time, actor="test")
+    assert (result.cut_seq, result.num_deleted) == (3, 3)
+    async with store.engine.connect() as conn:
+        seqs = (await conn.execute(select(audit_events.c.seq).order_by(audit_events.c.seq))).scalars().all()
+    assert seqs == [4, 5, 6, 7]  # seq 4 is newer than the cut-off: neither it nor anything after goes
+    assert (await verify_store(store)).ok
 
 
 async def test_db_tampering_found_by_chain_key(store: AuditStore) -> None:
