@@ -20,7 +20,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_en
 
 from audit import chain
 from audit.context import get_sensitive
-from audit.events import AUDIT_PURGED, AuditEvent, make_event
+from audit.events import AuditEvent, make_event
 from audit.keys import AuditKeys, load_or_create_keys
 from audit.patterns import is_digest_field, scrub_text
 from audit.prepared import execute, execute_many
@@ -228,34 +228,10 @@ class AuditStore:
                 return await conn.run_sync(self._insert_checkpoint, head)
 
     async def purge(self, before: datetime, *, actor: str | None = None) -> PurgeResult:
-        """Delete the prefix of events older than ``before``, keeping a signed checkpoint at the cut.
+        """Delete the prefix of events older than ``before`` (``audit.purge.purge_before``)."""
+        from audit.purge import purge_before
 
-        The cut is a sequence number: the events before the first one stamped at or after ``before``.
-        Replicas stamp events with their own clocks, so timestamps need not grow with ``seq``; an event
-        stamped old after a newer one is kept, with everything after it. The chain stays verifiable
-        from the checkpoint; the purge itself is recorded as an event.
-        """
-        with _fail_closed("purge"):
-            async with self._local_lock, self.engine.begin() as conn:
-                head = await conn.run_sync(_lock_head)
-                cut = await _purge_cut(conn, format_ts(before))
-                num_deleted = 0
-                if cut is not None:
-                    await self._ensure_checkpoint_at(conn, cut)
-                    result = await conn.execute(audit_events.delete().where(audit_events.c.seq <= cut))
-                    num_deleted = result.rowcount or 0
-                event = make_event(AUDIT_PURGED, actor=actor, before=format_ts(before), cut_seq=cut,
-                                   num_deleted=num_deleted)
-                await conn.run_sync(self._append_all, head, (event,))
-                return PurgeResult(cut, num_deleted)
-
-    async def _ensure_checkpoint_at(self, conn: AsyncConnection, seq: int) -> None:
-        exists = (await conn.execute(select(audit_checkpoints.c.seq).where(
-            audit_checkpoints.c.seq == seq))).first()
-        if exists is None:
-            row = (await conn.execute(select(audit_events.c.link, audit_events.c.chain_hash).where(
-                audit_events.c.seq == seq))).one()
-            await conn.run_sync(self._insert_checkpoint, Head(seq, row.link, row.chain_hash))
+        return await purge_before(self, before, actor=actor)
 
     async def head(self) -> Head:
         with _fail_closed("head"):
@@ -276,18 +252,12 @@ class AuditStore:
             if not rows:
                 return
             for row in rows:
-                yield {**{c: row[c] for c in _RECORD_COLUMNS}, "data": orjson.loads(row["data"])}
+                yield as_record(row)
             cursor = rows[-1]["seq"] + 1
 
 
-async def _purge_cut(conn: AsyncConnection, before: str) -> int | None:
-    """The last ``seq`` of the longest prefix of stored events all stamped before ``before``."""
-    first_kept = (await conn.execute(select(func.min(audit_events.c.seq)).where(
-        audit_events.c.ts >= before))).scalar()
-    q = select(func.max(audit_events.c.seq))
-    if first_kept is not None:
-        q = q.where(audit_events.c.seq < first_kept)
-    return (await conn.execute(q)).scalar()
+def as_record(row: Any) -> dict[str, Any]:
+    return {**{c: row[c] for c in _RECORD_COLUMNS}, "data": orjson.loads(row["data"])}
 
 
 def _lock_head(conn: Connection) -> Head:

@@ -87,9 +87,40 @@ async def test_purge_keeps_remaining_chain_verifiable(store: AuditStore, tmp_pat
     assert seqs == list(range(10, 16)) and 9 in cps and last.name == AUDIT_PURGED
     assert (await verify_store(store)).ok
     manifest = await export_bundle(store, tmp_path / "after", ExportSpec())
-    assert manifest["anchor"]["seq"] == 9
+    assert manifest["anchor"]["seq"] == 9 and manifest["purge"]["seq"] == 15
     result = verify_bundle(tmp_path / "after", store.keys.public_key)
     assert result.ok and result.first_seq == 10, result
+    # A tenant's export does not hold the purge event, but carries it as the proof of its anchor.
+    await export_bundle(store, tmp_path / "t1", ExportSpec(tenant="t1"))
+    assert verify_bundle(tmp_path / "t1", store.keys.public_key).ok
+    # A second purge cuts past the first one's event; its own event records the new cut.
+    cut_time = datetime.now(UTC)
+    await append_events(store, 3)
+    assert (await store.purge(cut_time)).cut_seq == 17  # the purge at 15 and two exports went too
+    assert (await verify_store(store)).ok
+    await export_bundle(store, tmp_path / "again", ExportSpec())
+    assert verify_bundle(tmp_path / "again", store.keys.public_key).ok
+
+
+async def _delete_rows(store: AuditStore, *where) -> None:
+    async with store.engine.begin() as conn:
+        await conn.execute(audit_events.delete().where(*where))
+
+
+async def test_rows_deleted_from_the_end_fail_verification(store: AuditStore) -> None:
+    await append_events(store, 10)
+    await _delete_rows(store, audit_events.c.seq > 8)
+    check = await verify_store(store)
+    assert not check.ok and check.first_bad_seq == 9 and "head is at seq 10" in check.reason, check
+    await _delete_rows(store)
+    assert not (await verify_store(store)).ok
+
+
+async def test_rows_deleted_from_the_start_without_a_purge_fail_verification(store: AuditStore) -> None:
+    await append_events(store, 10)  # checkpoints at 4 and 8
+    await _delete_rows(store, audit_events.c.seq <= 4)
+    check = await verify_store(store)
+    assert not check.ok and check.first_bad_seq == 5 and "audit.purged" in check.reason, check
 
 
 async def test_purge_cuts_by_sequence_when_clocks_disagree(store: AuditStore,
