@@ -1,0 +1,96 @@
+"""Redaction cost: linear in the text on adversarial input, with the same results as the plain patterns."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from audit.patterns import _SUBSTITUTIONS, scrub_text
+from audit.sensitive import SensitiveSet, scrub_sensitive, sensitive
+
+pytestmark = pytest.mark.timeout(120)
+
+MIB = 1 << 20
+TAIL = (" mail alice@example.com card 4111 1111 1111 1111 key sk-proj-abcdefghijklmnop1234 "
+        "jwt eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiIxMjM0In0.c2lnbmF0dXJl")
+REDACTED_TAIL = " mail [REDACTED:email] card [REDACTED:card] key [REDACTED:api-key] jwt [REDACTED:jwt]"
+# Near misses that a backtracking pattern would retry at every position; none holds a secret itself.
+ADVERSARIAL = {
+    "email-local-run": "a" * MIB,
+    "email-at-signs": "a@" * (MIB // 2),
+    "email-one-letter-tlds": "a@b." * (MIB // 4),
+    "email-digit-led-labels": "x@" + "1a1." * (MIB // 4),
+    "email-dotted-run": "a." * (MIB // 2),
+    "email-punctuation-run": "%+." * (MIB // 3),
+    "jwt-starts-in-one-run": "eyJ-" * (MIB // 4),
+    "jwt-short-segments": "eyJaaaa." * (MIB // 8),
+    "card-digit-run": "0" * MIB,
+    "card-digits-too-far-apart": "1    " * (MIB // 5),
+    "header-names": "token " * (MIB // 6),
+    "header-name-then-spaces": "password" + " " * MIB,
+    "private-key-headers": "PRIVATE KEY----- " + ("-----BEGIN " + "A " * 100) * (MIB // 211),
+    "kvgate-key-ids-too-long": ("kvg_" + "a" * 70 + " ") * (MIB // 75),
+    "api-keys-too-short": ("sk-" + "a" * 15 + " ") * (MIB // 19),
+    "non-ascii-header-names": "ı token é " * (MIB // 10),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ADVERSARIAL))
+def test_adversarial_mebibyte_strings_redact_in_linear_time(name: str) -> None:
+    filler = ADVERSARIAL[name]
+    start = time.perf_counter()
+    out = scrub_text(filler + TAIL)
+    elapsed = time.perf_counter() - start
+    assert out == filler + REDACTED_TAIL
+    # A safety bound against quadratic patterns (minutes here), not a benchmark: 70-300 ms on 2026-11-25.
+    assert elapsed < 2.0, f"{name}: {elapsed:.2f} s"
+
+
+_PATTERNS = {replacement: pattern for pattern, replacement in _SUBSTITUTIONS}
+_PLAIN_EMAIL = re.compile(r"[A-Za-z0-9._%+\-]+@[A-Za-z0-9\-]+(?:\.[A-Za-z0-9\-]+)*\.[A-Za-z]{2,}")
+_PLAIN_JWT = re.compile(r"\beyJ[A-Za-z0-9_\-]{5,}\.[A-Za-z0-9_\-]{5,}\.[A-Za-z0-9_\-]*")
+_PIECES = ["a", "bc", "1", "@", ".", "-", "_", "%", "+", " ", "é", "eyJ", "eyJhbGci", "abcde", "com", "x.y",
+           "-eyJ", "\n"]
+
+
+@given(st.lists(st.sampled_from(_PIECES) | st.text(max_size=3), max_size=30).map("".join))
+@settings(max_examples=600, deadline=None)
+def test_linear_email_and_jwt_patterns_match_what_the_plain_ones_match(text: str) -> None:
+    email = _PATTERNS["[REDACTED:email]"]
+    assert email.sub("[REDACTED:email]", text) == _PLAIN_EMAIL.sub("[REDACTED:email]", text)
+    jwt = _PATTERNS[r"\g<pre>[REDACTED:jwt]"]
+    assert jwt.sub(r"\g<pre>[REDACTED:jwt]", text) == _PLAIN_JWT.sub("[REDACTED:jwt]", text)
+
+
+_LINE_PIECES = ["    return x", "line 0001 of it", "line 0002 of it", "[REDACTED:content]", "TED:cont",
+                "short",
+                "a]b[c long", "é ü 😀 quote ' "]
+_LINES = st.lists(st.sampled_from(_LINE_PIECES) | st.text(max_size=14), min_size=1, max_size=40)
+
+
+@given(st.lists(_LINES.map("\n".join), min_size=1, max_size=4),
+       st.lists(st.sampled_from(["    return x", "line 0001 of it", "[", "]", "\n", " ", "ED:content]",
+                                 "\\n", "line 000"]) | st.text(max_size=10), max_size=20).map("".join))
+@settings(max_examples=400, deadline=None)
+def test_the_index_of_many_forms_scrubs_as_looking_for_each_form_does(values: list[str], noise: str) -> None:
+    """``SensitiveSet`` looks only for forms whose indexed characters occur; the result must equal
+    looking for every form of every value in turn, replacements included."""
+    marked = SensitiveSet(sensitive(v) for v in values)
+    for text in (noise, noise.join(values), "".join(values) + noise, repr(values[0]) + noise):
+        assert marked.scrub(text) == scrub_sensitive(text, tuple(values))
+
+
+def test_a_long_multiline_prompt_scrubs_in_time_linear_in_the_string() -> None:
+    lines = [f"line {i:06d} of a long prompt" for i in range(40_000)]  # 1.1 MiB, 40k forms
+    marked = SensitiveSet([sensitive("\n".join(lines))])
+    text = ("unrelated words " * (MIB // 16)) + lines[123] + " end"
+    start = time.perf_counter()
+    out = marked.scrub(text)
+    elapsed = time.perf_counter() - start
+    assert out.endswith(" [REDACTED:content] end") and lines[123] not in out
+    # Looking for each of 40k forms in 1 MiB took seconds; one pass over the string takes ~0.1 s.
+    assert elapsed < 2.0, f"{elapsed:.2f} s"
