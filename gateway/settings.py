@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from audit.redact import DEFAULT_MAX_VALUE_CHARS
 from gateway.storage.db import default_db_url, normalize_db_url
 from policies import Policy
 from policies.models import ALL_DETERMINISM
@@ -59,6 +60,9 @@ class Settings(BaseSettings):
             ``batch_invariant``; ``KVGATE_DETERMINISM_MODES``). Serving ``fixed`` turns on torch's
             deterministic algorithms for the process; ``batch_invariant`` builds and self-checks its kernels
             at start-up. A request (or tenant default) asking for a mode not served gets a 400.
+        log_max_value_chars: Longest string value a log line carries (``KVGATE_LOG_MAX_VALUE_CHARS``); a
+            longer one is logged as its length and keyed hash without being scanned, so that one huge
+            value cannot hold the event loop in the redactor.
     """
 
     model_config = SettingsConfigDict(env_prefix="KVGATE_", extra="ignore")
@@ -87,6 +91,7 @@ class Settings(BaseSettings):
     determinism_modes: str = "fast,fixed,batch_invariant"
     reserved_cpus: int = Field(default=1, ge=0)
     engine_process: bool = True
+    log_max_value_chars: int = Field(default=DEFAULT_MAX_VALUE_CHARS, ge=256)
 
     @field_validator("determinism_modes")
     @classmethod

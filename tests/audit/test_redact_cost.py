@@ -1,4 +1,5 @@
-"""Redaction cost: linear in the text on adversarial input, with the same results as the plain patterns."""
+"""Redaction cost: linear in the text on adversarial input, bounded on log lines; with the same results
+as the plain patterns."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from audit.patterns import _SUBSTITUTIONS, scrub_text
+from audit.redact import Redactor
 from audit.sensitive import SensitiveSet, scrub_sensitive, sensitive
 
 pytestmark = pytest.mark.timeout(120)
@@ -94,3 +96,11 @@ def test_a_long_multiline_prompt_scrubs_in_time_linear_in_the_string() -> None:
     assert out.endswith(" [REDACTED:content] end") and lines[123] not in out
     # Looking for each of 40k forms in 1 MiB took seconds; one pass over the string takes ~0.1 s.
     assert elapsed < 2.0, f"{elapsed:.2f} s"
+
+
+def test_a_log_value_over_the_limit_is_summarized_without_being_scanned() -> None:
+    redactor = Redactor(hash_key=b"k" * 32, max_value_chars=1000)
+    huge = "x" * 600 + " alice@example.com " + "y" * 600
+    out = redactor(None, "error", {"event": "failed", "error": huge, "reason": huge[:900]})
+    assert out["error"] == {**redactor.summarize(huge), "is_over_limit": True}
+    assert out["reason"] == "x" * 600 + " [REDACTED:email] " + "y" * 281  # under the limit: scrubbed
