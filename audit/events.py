@@ -108,6 +108,7 @@ class AuditEvent:
     key_id: str | None = None
     request_id: str | None = None
     actor: str | None = None
+    is_redacted: bool = False  # ``data`` is already as the store keeps it (``audit.scrubbing``)
 
     def __repr__(self) -> str:  # ids only; data may be large
         return f"AuditEvent(name={self.name!r}, tenant_id={self.tenant_id!r}, fields={sorted(self.data)})"

@@ -19,11 +19,11 @@ from sqlalchemy import exc as sa_exc
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
 from audit import chain
-from audit.context import get_sensitive
 from audit.events import AuditEvent, make_event
 from audit.keys import AuditKeys, load_or_create_keys
-from audit.patterns import is_digest_field, scrub_text
+from audit.patterns import scrub_text
 from audit.prepared import execute, execute_many
+from audit.scrubbing import redact_event, redact_off_loop
 from audit.tables import audit_checkpoints, audit_events, audit_head, metadata
 
 DEFAULT_CHECKPOINT_EVERY = 1000
@@ -152,6 +152,7 @@ class AuditStore:
         Raises:
             AuditUnavailable: The store could not be written; nothing was recorded.
         """
+        event = await redact_off_loop(event)
         with _fail_closed("append"):
             if conn is not None:
                 return await conn.run_sync(self.append_sync, event)
@@ -199,16 +200,13 @@ class AuditStore:
         return Head(seq, link, chain_hash), row
 
     def _new_record(self, seq: int, event: AuditEvent) -> dict[str, Any]:
-        # Round-trip through JSON so the hashed form equals what a reader will parse back.
-        data = orjson.loads(orjson.dumps(event.data, default=str,
-                                         option=orjson.OPT_NON_STR_KEYS | orjson.OPT_SORT_KEYS))
+        event = redact_event(event)
         # The id columns are stored as given, never scrubbed: ids are the gateway's own, not secrets, and
         # a tenant-filtered export selects by them (a request whose prompt was its own tenant id once had
         # its events' tenant id replaced, and they vanished from that tenant's export).
         return {"seq": seq, "event_id": secrets.token_hex(16), "ts": now_ts(), "name": event.name,
                 "tenant_id": event.tenant_id or None, "key_id": event.key_id or None,
-                "request_id": event.request_id or None, "actor": event.actor or None,
-                "data": _scrub_data(data, get_sensitive())}
+                "request_id": event.request_id or None, "actor": event.actor or None, "data": event.data}
 
     def _insert_checkpoint(self, conn: Connection, head: Head) -> Checkpoint:
         created_at = now_ts()
@@ -267,13 +265,3 @@ def _lock_head(conn: Connection) -> Head:
     if not rows:
         raise AuditUnavailable("audit_head row missing: run migrations (0002_audit) or AuditStore.start()")
     return Head(*rows[0])
-
-
-def _scrub_data(value: Any, sensitive: tuple[str, ...], key: str = "") -> Any:
-    if isinstance(value, str):
-        return value if is_digest_field(key, value) else scrub_text(value, sensitive)
-    if isinstance(value, dict):
-        return {k: _scrub_data(v, sensitive, k) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_scrub_data(v, sensitive, key) for v in value]
-    return value

@@ -1,18 +1,24 @@
-"""Redaction cost: linear in the text on adversarial input, bounded on log lines; with the same results
-as the plain patterns."""
+"""Redaction cost: linear in the text on adversarial input, bounded on log lines, off the event loop for
+large audit events; with the same results as the plain patterns."""
 
 from __future__ import annotations
 
 import re
+import threading
 import time
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from sqlalchemy import select
 
+from audit.context import clear_request_context, register_sensitive
+from audit.events import ADMIN_ACTION, make_event
 from audit.patterns import _SUBSTITUTIONS, scrub_text
 from audit.redact import Redactor
 from audit.sensitive import SensitiveSet, scrub_sensitive, sensitive
+from audit.store import AuditStore
+from audit.tables import audit_events
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -104,3 +110,40 @@ def test_a_log_value_over_the_limit_is_summarized_without_being_scanned() -> Non
     out = redactor(None, "error", {"event": "failed", "error": huge, "reason": huge[:900]})
     assert out["error"] == {**redactor.summarize(huge), "is_over_limit": True}
     assert out["reason"] == "x" * 600 + " [REDACTED:email] " + "y" * 281  # under the limit: scrubbed
+
+
+async def test_a_large_audit_event_is_scrubbed_off_the_event_loop(store: AuditStore, monkeypatch) -> None:
+    from audit import patterns
+    from audit.sink import store_txn_sink
+    from gateway.audit_hook import AuditHook
+
+    threads: list[int] = []
+    real = patterns._is_clean
+
+    def watched(text: str) -> bool:  # every scrubbed string passes here, on whatever thread scrubs it
+        threads.append(threading.get_ident())
+        return real(text)
+
+    monkeypatch.setattr(patterns, "_is_clean", watched)
+    big = {"allowed_models": [f"model-{i:05d}-{'m' * 64}" for i in range(2000)], "note": "my own prompt"}
+    register_sensitive("my own prompt")  # the worker thread sees the task's registered content
+    await store.append(make_event(ADMIN_ACTION, action="policy.update", after=big))
+    clear_request_context()
+    assert threads and threading.get_ident() not in threads
+    async with store.engine.connect() as conn:
+        stored = (await conn.execute(select(audit_events.c.data))).scalar_one()
+    assert "my own prompt" not in stored and "[REDACTED:content]" in stored
+    threads.clear()
+    await store.append(make_event(ADMIN_ACTION, action="policy.update", after={"allowed_models": ["m"]}))
+    assert threads and set(threads) == {threading.get_ident()}  # a small one costs less than a hand-off
+
+    async def run(step, **_: object) -> None:  # the step runs on the event loop, as inline SQLite runs it
+        async with store.engine.begin() as conn:
+            await conn.run_sync(step)
+
+    hook = AuditHook()
+    hook.set_txn_sink(store_txn_sink(store), run)
+    threads.clear()
+    await hook.emit("admin.policy_updated", action="policy.update", after=big)
+    assert threads and threading.get_ident() not in threads
+    assert (await store.head()).seq == 3
