@@ -31,10 +31,12 @@ async def verify_store(store: AuditStore) -> ChainCheck:
     """
     with _fail_closed("verify"):
         async with store.engine.connect() as conn:
+            # Checkpoints before the head: with writers appending meanwhile, every checkpoint read is
+            # then at or before the head read, and the walk stops at that head.
+            checkpoints = {r.seq: r for r in (await conn.execute(select(audit_checkpoints))).all()}
             row = (await conn.execute(select(audit_head).where(audit_head.c.id == 1))).one()
             head = Head(row.seq, row.link, row.chain_hash)
             first = (await conn.execute(select(func.min(audit_events.c.seq)))).scalar()
-            checkpoints = {r.seq: r for r in (await conn.execute(select(audit_checkpoints))).all()}
     if first is None:
         if head.seq == 0:
             return ChainCheck(True, 0)
