@@ -8,7 +8,7 @@ from contextvars import ContextVar
 
 import structlog
 
-from audit.patterns import sensitive
+from audit.sensitive import SensitiveSet, sensitive
 
 CONTEXT_KEYS = ("request_id", "tenant_id", "key_id")
 
@@ -38,7 +38,8 @@ def get_request_context() -> dict[str, str | None]:
 def register_sensitive(*values: str) -> None:
     """Mark strings (prompts, completions) that the redactor must scrub wherever they appear."""
     extra = tuple(sensitive(v) for v in values if isinstance(v, str) and v)
-    _sensitive.set(_sensitive.get() + extra)
+    if extra:
+        _sensitive.set(SensitiveSet(_sensitive.get() + extra))
 
 
 def get_sensitive() -> tuple[str, ...]:

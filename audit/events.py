@@ -54,7 +54,8 @@ EVENT_FIELDS: dict[str, frozenset[str]] = {
     ADMIN_TOKEN_REVOKED: frozenset({"admin_id", "reason"}),
     AUDIT_EXPORTED: frozenset({"since", "until", "tenant", "format", "num_events", "first_seq", "last_seq",
                                "manifest_sha256"}),
-    AUDIT_PURGED: frozenset({"before", "cut_seq", "num_deleted"}),
+    # cut_hash: the public chain link at cut_seq, where the retained chain starts.
+    AUDIT_PURGED: frozenset({"before", "cut_seq", "cut_hash", "num_deleted"}),
     RETENTION_RECORD_READ: frozenset({"record_id", "reason"}),
     RETENTION_KEY_SHREDDED: frozenset({"num_records"}),
     RETENTION_PURGED: frozenset({"num_deleted"}),
@@ -89,6 +90,14 @@ def strip_secrets(value: Any) -> Any:
     return value
 
 
+def records_purge(record: Mapping[str, Any], cut_seq: int, cut_hash: str) -> bool:
+    """Whether a stored or exported ``record`` is the ``audit.purged`` event of a cut at ``cut_seq``
+    whose link is ``cut_hash`` (it follows the cut: the purge appended it after deleting)."""
+    data, seq = record.get("data"), record.get("seq")
+    return (record.get("name") == AUDIT_PURGED and isinstance(data, dict) and isinstance(seq, int)
+            and seq > cut_seq and data.get("cut_seq") == cut_seq and data.get("cut_hash") == cut_hash)
+
+
 @dataclass(frozen=True, slots=True)
 class AuditEvent:
     """One event before it is chained. ``data`` holds only the fields ``EVENT_FIELDS`` allows."""
@@ -99,6 +108,7 @@ class AuditEvent:
     key_id: str | None = None
     request_id: str | None = None
     actor: str | None = None
+    is_redacted: bool = False  # ``data`` is already as the store keeps it (``audit.scrubbing``)
 
     def __repr__(self) -> str:  # ids only; data may be large
         return f"AuditEvent(name={self.name!r}, tenant_id={self.tenant_id!r}, fields={sorted(self.data)})"

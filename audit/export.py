@@ -2,7 +2,11 @@
 
 Guarantee (checked by ``audit.verify.verify_bundle`` with only the public key): every exported
 event sits at its exact chain position, and the chain runs unbroken from an anchor (genesis or a
-signed checkpoint, e.g. the one a purge leaves) to a signed checkpoint at or after the last event.
+signed checkpoint) to a signed checkpoint at or after the last event. An export without ``since``
+claims the whole retained chain: its anchor is genesis or a purge's cut, proven by the manifest's
+``purge`` (the ``audit.purged`` event naming the cut, checked at its own chain position); without
+``until`` the chain runs to the newest checkpoint, the head signed as the export starts. A table
+with rows deleted at either end therefore exports as a bundle that fails verification.
 Positions that are not exported appear in ``chain.jsonl`` only as two digests (tenant, body), so:
   - unfiltered: every position in ``first_seq..last_seq`` must be present as a full event;
   - tenant-filtered: every position whose tenant digest equals the tenant's must be present, so
@@ -31,6 +35,7 @@ from sqlalchemy import func, select
 from audit import bundle, chain
 from audit.events import AUDIT_EXPORTED, make_event
 from audit.keys import public_key_pem
+from audit.purge import find_purge_record
 from audit.store import AuditStore, _fail_closed, format_ts, now_ts
 from audit.tables import audit_checkpoints, audit_events
 
@@ -77,16 +82,22 @@ async def _plan(store: AuditStore, spec: ExportSpec) -> dict[str, Any]:
             q = q.where(audit_events.c.ts < format_ts(spec.until))
         first, last = (await conn.execute(q)).one()
         if first is None:
-            return {"first": None, "last": None, "anchor": None, "checkpoints": []}
+            return {"first": None, "last": None, "anchor": None, "checkpoints": [], "purge": None}
         anchor = (await conn.execute(select(audit_checkpoints).where(audit_checkpoints.c.seq < first)
                                      .order_by(audit_checkpoints.c.seq.desc()).limit(1))).mappings().first()
         anchor_seq = anchor["seq"] if anchor else 0
+        # An export from the start of the retained chain proves where it starts: at genesis, or at a cut
+        # that the ``audit.purged`` event it carries records. Without ``until`` it runs to the newest
+        # checkpoint, so events deleted from the end of the table cannot go unnoticed.
+        purge = await find_purge_record(conn, anchor_seq, str(anchor["link"])) if (
+            anchor and spec.since is None) else None
+        reach = max(last if spec.until is not None else signed, purge["seq"] if purge else 0)
         end_seq = (await conn.execute(select(func.min(audit_checkpoints.c.seq)).where(
-            audit_checkpoints.c.seq >= last))).scalar()
+            audit_checkpoints.c.seq >= reach))).scalar()
         cps = (await conn.execute(select(audit_checkpoints).where(
             audit_checkpoints.c.seq >= anchor_seq, audit_checkpoints.c.seq <= end_seq)
             .order_by(audit_checkpoints.c.seq))).mappings().all()
-    return {"first": first, "last": last, "end": end_seq,
+    return {"first": first, "last": last, "end": end_seq, "purge": purge,
             "checkpoints": [{k: c[k] for k in _CP_KEYS} for c in cps],
             "anchor": {"seq": anchor_seq, "link": str(anchor["link"]) if anchor else chain.GENESIS}}
 
@@ -118,11 +129,8 @@ async def _stream_positions(store: AuditStore, plan: dict[str, Any], spec: Expor
     stats: dict[str, Any] = {"events": 0, "chain": 0, "first_chain_hash": None, "last_chain_hash": None}
     if plan["first"] is None:
         return stats
-    expected = plan["anchor"]["seq"] + 1
-    async for record in store.iter_records(expected, plan["end"]):
-        if record["seq"] != expected:
-            raise RuntimeError(f"audit chain has a gap at seq {expected}: the database was altered")
-        expected += 1
+    # A damaged table is exported as it is: a missing position shows as a gap that the verifier names.
+    async for record in store.iter_records(plan["anchor"]["seq"] + 1, plan["end"]):
         tenant_hex, body_hex, _ = chain.link_record(record)
         proof.write(chain.canonical_json({"seq": record["seq"], "tenant": tenant_hex, "body": body_hex,
                                           "link": record["link"]}) + b"\n")
@@ -133,8 +141,6 @@ async def _stream_positions(store: AuditStore, plan: dict[str, Any], spec: Expor
             stats["events"] += 1
             stats["first_chain_hash"] = stats["first_chain_hash"] or record["chain_hash"]
             stats["last_chain_hash"] = record["chain_hash"]
-    if expected != plan["end"] + 1:
-        raise RuntimeError(f"audit chain ends at seq {expected - 1}, expected {plan['end']}")
     return stats
 
 
@@ -157,6 +163,7 @@ def _manifest(store: AuditStore, spec: ExportSpec, plan: dict[str, Any], stats: 
         "first_chain_hash": stats["first_chain_hash"],
         "last_chain_hash": stats["last_chain_hash"],
         "checkpoints": plan["checkpoints"],
+        "purge": plan["purge"],
         "public_key_fingerprint": store.keys.fingerprint,
         "files": digests,
     }

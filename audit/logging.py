@@ -10,7 +10,7 @@ from typing import IO, Any
 import orjson
 import structlog
 
-from audit.redact import Redactor
+from audit.redact import DEFAULT_MAX_VALUE_CHARS, Redactor
 
 # Third-party loggers that must not keep handlers of their own (they would bypass redaction).
 ROUTED_LOGGERS = ("uvicorn", "uvicorn.error", "uvicorn.access", "litestar", "sqlalchemy", "alembic",
@@ -60,6 +60,7 @@ def configure_logging(
     hash_key: bytes | None = None,
     stream: IO[bytes] | None = None,
     extra_allowed: tuple[str, ...] = (),
+    max_value_chars: int = DEFAULT_MAX_VALUE_CHARS,
 ) -> Redactor:
     """Configure structlog and stdlib logging for the whole process.
 
@@ -69,13 +70,15 @@ def configure_logging(
         hash_key: Key for the ``{"len", "hmac"}`` content summaries; random per process when ``None``.
         stream: Binary sink (default ``sys.stdout.buffer``); tests pass a ``BytesIO``.
         extra_allowed: Top-level keys to allow besides ``redact.DEFAULT_ALLOWED_KEYS``.
+        max_value_chars: Longest string value written; a longer one becomes ``{"len", "hmac",
+            "is_over_limit"}`` without being scanned (the chain runs on the event loop).
 
     Returns:
         The redactor in the chain, for callers that want the same content summaries.
     """
     level_num = logging.getLevelName(level.upper()) if isinstance(level, str) else level
     sink = stream if stream is not None else sys.stdout.buffer
-    redactor = Redactor(hash_key=hash_key, extra_allowed=extra_allowed)
+    redactor = Redactor(hash_key=hash_key, extra_allowed=extra_allowed, max_value_chars=max_value_chars)
     processors = build_processors(redactor, json=json)
     if json:
         factory: Any = structlog.BytesLoggerFactory(file=sink)

@@ -41,6 +41,12 @@ DEFAULT_ALLOWED_KEYS = frozenset({
 ALLOWED_PREFIXES = ("num_", "is_", "max_", "min_")
 ALLOWED_SUFFIXES = ("_ms", "_s", "_bytes", "_count", "_id", "_ids", "_seq")
 NOT_ALLOWED = "[not-allowlisted]"
+# Longest string value a log line carries; a longer one is written as its length and keyed hash, never
+# scanned: the redactor runs on the event loop, and a value of megabytes would hold it for a while.
+DEFAULT_MAX_VALUE_CHARS = 65_536
+# The gateway's own ids: a request's content that happens to equal one (a prompt that is its tenant id)
+# must not erase it from every line of that request, so registered content is not scrubbed from them.
+ID_KEYS = frozenset({"request_id", "tenant_id", "key_id", "actor"})
 
 
 def keyed_hash(value: str | bytes, key: bytes) -> str:
@@ -56,10 +62,12 @@ class Redactor:
     exceptions. It keeps no state besides its configuration, so one instance may serve many chains.
     """
 
-    def __init__(self, hash_key: bytes | None = None, extra_allowed: Iterable[str] = ()) -> None:
+    def __init__(self, hash_key: bytes | None = None, extra_allowed: Iterable[str] = (),
+                 max_value_chars: int = DEFAULT_MAX_VALUE_CHARS) -> None:
         # A per-process random key still hides content; pass a stable key to correlate across restarts.
         self._hash_key = hash_key or secrets.token_bytes(32)
         self._allowed = DEFAULT_ALLOWED_KEYS | frozenset(extra_allowed)
+        self._max_value_chars = max_value_chars
 
     def __call__(self, logger: Any, method_name: str, event_dict: dict[str, Any]) -> dict[str, Any]:
         sensitive = get_sensitive()
@@ -69,6 +77,8 @@ class Redactor:
                 out[key] = self.summarize(value)
             elif _is_secret_key(key):
                 out[key] = REDACTED
+            elif key in ID_KEYS and isinstance(value, str):
+                out[key] = self._scrub_text(value, ())
             elif self.is_allowed(key):
                 out[key] = value if is_digest_field(key, value) else self.scrub(value, sensitive)
             else:
@@ -91,19 +101,24 @@ class Redactor:
     def scrub(self, value: Any, sensitive: tuple[str, ...] = ()) -> Any:
         """Recursively scrub strings; nested content/secret keys are hashed/masked too."""
         if isinstance(value, str):
-            return scrub_text(value, sensitive)
+            return self._scrub_text(value, sensitive)
         if isinstance(value, bool) or value is None or isinstance(value, float):
             return value
         if isinstance(value, int):
             return "[REDACTED:card]" if is_card_number(value) else value
         if isinstance(value, bytes):
-            return scrub_text(value.decode("utf-8", "replace"), sensitive)
+            return self._scrub_text(value.decode("utf-8", "replace"), sensitive)
         if isinstance(value, Mapping):
             return {str(k): self._scrub_item(str(k), v, sensitive) for k, v in value.items()}
         if isinstance(value, list | tuple | set | frozenset):
             return [self.scrub(v, sensitive) for v in value]
         # Arbitrary objects (exceptions, ORM rows): their repr may hold anything, so scrub the text.
-        return scrub_text(repr(value), sensitive)
+        return self._scrub_text(repr(value), sensitive)
+
+    def _scrub_text(self, text: str, sensitive: tuple[str, ...]) -> str | dict[str, Any]:
+        if len(text) > self._max_value_chars:
+            return {**self.summarize(text), "is_over_limit": True}
+        return scrub_text(text, sensitive)
 
     def _scrub_item(self, key: str, value: Any, sensitive: tuple[str, ...]) -> Any:
         if key.lower() in CONTENT_KEYS:

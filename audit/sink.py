@@ -8,6 +8,7 @@ from typing import Any
 from sqlalchemy import Connection
 
 from audit.events import AuditEvent, make_event
+from audit.scrubbing import redact_off_loop
 from audit.store import AuditStore
 
 _ID_FIELDS = ("tenant_id", "key_id", "request_id", "actor")
@@ -44,6 +45,12 @@ class AppendStep:
 
     def __call__(self, conn: Connection) -> None:
         self.store.append_many_sync(conn, self.events)
+
+    async def redacted_off_loop(self) -> AppendStep:
+        """This step with its large events already scrubbed, on a worker thread (``redact_off_loop``):
+        the step itself may run on the event loop (inside the caller's transaction)."""
+        events = tuple([await redact_off_loop(event) for event in self.events])
+        return self if events == self.events else AppendStep(self.store, events)
 
     def then(self, other: object) -> AppendStep | None:
         """One step appending this step's events, then ``other``'s (one head lock and update for all);

@@ -19,11 +19,11 @@ from sqlalchemy import exc as sa_exc
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
 from audit import chain
-from audit.context import get_sensitive
-from audit.events import AUDIT_PURGED, AuditEvent, make_event
+from audit.events import AuditEvent, make_event
 from audit.keys import AuditKeys, load_or_create_keys
-from audit.patterns import is_digest_field, scrub_text
+from audit.patterns import scrub_text
 from audit.prepared import execute, execute_many
+from audit.scrubbing import redact_event, redact_off_loop
 from audit.tables import audit_checkpoints, audit_events, audit_head, metadata
 
 DEFAULT_CHECKPOINT_EVERY = 1000
@@ -152,6 +152,7 @@ class AuditStore:
         Raises:
             AuditUnavailable: The store could not be written; nothing was recorded.
         """
+        event = await redact_off_loop(event)
         with _fail_closed("append"):
             if conn is not None:
                 return await conn.run_sync(self.append_sync, event)
@@ -199,15 +200,13 @@ class AuditStore:
         return Head(seq, link, chain_hash), row
 
     def _new_record(self, seq: int, event: AuditEvent) -> dict[str, Any]:
-        sensitive = get_sensitive()
-        # Round-trip through JSON so the hashed form equals what a reader will parse back.
-        data = orjson.loads(orjson.dumps(event.data, default=str,
-                                         option=orjson.OPT_NON_STR_KEYS | orjson.OPT_SORT_KEYS))
-        ids = {k: (scrub_text(v, sensitive) if v else None) for k, v in
-               (("tenant_id", event.tenant_id), ("key_id", event.key_id),
-                ("request_id", event.request_id), ("actor", event.actor))}
+        event = redact_event(event)
+        # The id columns are stored as given, never scrubbed: ids are the gateway's own, not secrets, and
+        # a tenant-filtered export selects by them (a request whose prompt was its own tenant id once had
+        # its events' tenant id replaced, and they vanished from that tenant's export).
         return {"seq": seq, "event_id": secrets.token_hex(16), "ts": now_ts(), "name": event.name,
-                **ids, "data": _scrub_data(data, sensitive)}
+                "tenant_id": event.tenant_id or None, "key_id": event.key_id or None,
+                "request_id": event.request_id or None, "actor": event.actor or None, "data": event.data}
 
     def _insert_checkpoint(self, conn: Connection, head: Head) -> Checkpoint:
         created_at = now_ts()
@@ -227,32 +226,10 @@ class AuditStore:
                 return await conn.run_sync(self._insert_checkpoint, head)
 
     async def purge(self, before: datetime, *, actor: str | None = None) -> PurgeResult:
-        """Delete the prefix of events older than ``before``, keeping a signed checkpoint at the cut.
+        """Delete the prefix of events older than ``before`` (``audit.purge.purge_before``)."""
+        from audit.purge import purge_before
 
-        The chain stays verifiable from that checkpoint; the purge itself is recorded as an event.
-        """
-        with _fail_closed("purge"):
-            async with self._local_lock, self.engine.begin() as conn:
-                head = await conn.run_sync(_lock_head)
-                cut = (await conn.execute(select(func.max(audit_events.c.seq)).where(
-                    audit_events.c.ts < format_ts(before)))).scalar()
-                num_deleted = 0
-                if cut is not None:
-                    await self._ensure_checkpoint_at(conn, cut)
-                    result = await conn.execute(audit_events.delete().where(audit_events.c.seq <= cut))
-                    num_deleted = result.rowcount or 0
-                event = make_event(AUDIT_PURGED, actor=actor, before=format_ts(before), cut_seq=cut,
-                                   num_deleted=num_deleted)
-                await conn.run_sync(self._append_all, head, (event,))
-                return PurgeResult(cut, num_deleted)
-
-    async def _ensure_checkpoint_at(self, conn: AsyncConnection, seq: int) -> None:
-        exists = (await conn.execute(select(audit_checkpoints.c.seq).where(
-            audit_checkpoints.c.seq == seq))).first()
-        if exists is None:
-            row = (await conn.execute(select(audit_events.c.link, audit_events.c.chain_hash).where(
-                audit_events.c.seq == seq))).one()
-            await conn.run_sync(self._insert_checkpoint, Head(seq, row.link, row.chain_hash))
+        return await purge_before(self, before, actor=actor)
 
     async def head(self) -> Head:
         with _fail_closed("head"):
@@ -273,8 +250,12 @@ class AuditStore:
             if not rows:
                 return
             for row in rows:
-                yield {**{c: row[c] for c in _RECORD_COLUMNS}, "data": orjson.loads(row["data"])}
+                yield as_record(row)
             cursor = rows[-1]["seq"] + 1
+
+
+def as_record(row: Any) -> dict[str, Any]:
+    return {**{c: row[c] for c in _RECORD_COLUMNS}, "data": orjson.loads(row["data"])}
 
 
 def _lock_head(conn: Connection) -> Head:
@@ -284,13 +265,3 @@ def _lock_head(conn: Connection) -> Head:
     if not rows:
         raise AuditUnavailable("audit_head row missing: run migrations (0002_audit) or AuditStore.start()")
     return Head(*rows[0])
-
-
-def _scrub_data(value: Any, sensitive: tuple[str, ...], key: str = "") -> Any:
-    if isinstance(value, str):
-        return value if is_digest_field(key, value) else scrub_text(value, sensitive)
-    if isinstance(value, dict):
-        return {k: _scrub_data(v, sensitive, k) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_scrub_data(v, sensitive, key) for v in value]
-    return value

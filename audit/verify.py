@@ -13,6 +13,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from audit import bundle, chain
+from audit.events import records_purge
 from audit.keys import fingerprint, load_public_key
 
 
@@ -146,6 +147,7 @@ class _ChainWalk:
         self.tenant_digest = manifest["tenant_digest"]
         result.tenant, result.first_seq, result.last_seq = manifest["tenant"], self.first, self.last
         self.last_chain_hash: str | None = None
+        self.purge: tuple[int, str, str, str] | None = None  # (seq, tenant digest, body digest, link)
 
     def run(self) -> None:
         prev, expected = self._anchor()
@@ -161,6 +163,8 @@ class _ChainWalk:
             cp = self.checkpoints.get(expected)
             if cp is not None and cp["link"] != link:
                 raise BundleInvalid(f"{where} (seq {expected})", "chain does not match the signed checkpoint")
+            if self.purge is not None and self.purge[0] == expected:
+                self._match_purge(pos, link, f"{where} (seq {expected})")
             if self._is_included(pos):
                 self._match_event(pos)
             prev, expected = link, expected + 1
@@ -176,7 +180,23 @@ class _ChainWalk:
                 raise BundleInvalid(bundle.MANIFEST, "genesis anchor with a non-zero link")
         elif self.checkpoints.get(anchor["seq"], {}).get("link") != anchor["link"]:
             raise BundleInvalid(bundle.MANIFEST, f"anchor seq {anchor['seq']} is not a signed checkpoint")
+        elif self.manifest["range"]["since"] is None:
+            self._expect_purge(anchor["seq"], anchor["link"])
         return anchor["link"], anchor["seq"] + 1
+
+    def _expect_purge(self, cut_seq: int, cut_link: str) -> None:
+        """A bundle from the start of the retained chain that starts at a checkpoint must carry the
+        ``audit.purged`` event recording that cut, and the walk must meet it at its chain position:
+        a checkpoint alone says nothing about why the events before it are gone."""
+        record = self.manifest.get("purge")
+        if not isinstance(record, dict) or not records_purge(record, cut_seq, cut_link):
+            raise BundleInvalid(bundle.MANIFEST, f"the chain starts at checkpoint seq {cut_seq}, but no "
+                                                 f"audit.purged event records a purge there")
+        try:
+            tenant_hex, body_hex, _ = chain.link_record(record)
+        except (TypeError, orjson.JSONEncodeError) as e:
+            raise BundleInvalid(bundle.MANIFEST, f"malformed audit.purged event: {e}") from e
+        self.purge = (record["seq"], tenant_hex, body_hex, record.get("link"))
 
     @staticmethod
     def _parse_position(raw: bytes, where: str) -> dict[str, Any]:
@@ -218,7 +238,16 @@ class _ChainWalk:
         self.last_chain_hash = record.get("chain_hash")
         self.result.num_events += 1
 
+    def _match_purge(self, pos: dict[str, Any], link: str, where: str) -> None:
+        assert self.purge is not None
+        if (pos["tenant"], pos["body"], link) != self.purge[1:]:
+            raise BundleInvalid(where, "the manifest's audit.purged event is not the one at this position")
+        self.purge = None
+
     def _finish(self, last_seq: int) -> None:
+        if self.purge is not None:
+            raise BundleInvalid(f"{bundle.CHAIN} (seq {last_seq + 1})",
+                                f"chain ends before the audit.purged event (seq {self.purge[0]})")
         end = self.manifest["end_seq"]
         if end is not None and last_seq != end:
             raise BundleInvalid(f"{bundle.CHAIN} (seq {last_seq + 1})",

@@ -75,7 +75,13 @@ class AuditHook:
         ``TxnRunner.run``); the next durable commit makes it durable too."""
         with _failing_closed(name, required):
             if self._txn_sink is not None and self._txn_run is not None:
-                await self._txn_run(self._txn_sink(name, fields), durable=durable, inline=True)
+                step = self._txn_sink(name, fields)
+                # A large event (an admin change's snapshots) is scrubbed on a worker thread first: the
+                # step may run on the event loop. Request-path events are small, so ``step`` needs none.
+                off_loop = getattr(step, "redacted_off_loop", None)
+                if off_loop is not None:
+                    step = await off_loop()
+                await self._txn_run(step, durable=durable, inline=True)
                 return
             result = self._sink(name, fields)
             if inspect.isawaitable(result):

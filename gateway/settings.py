@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from audit.redact import DEFAULT_MAX_VALUE_CHARS
 from gateway.storage.db import default_db_url, normalize_db_url
 from policies import Policy
 from policies.models import ALL_DETERMINISM
@@ -83,6 +84,9 @@ class Settings(BaseSettings):
         auth_failure_flush_s: Failed authentications are audited at most once per this many seconds,
             as one ``auth.failure`` event per peer, reason and path with their count.
         auth_failure_max_peers: Peer addresses whose failures are tracked (least recent forgotten first).
+        log_max_value_chars: Longest string value a log line carries (``KVGATE_LOG_MAX_VALUE_CHARS``); a
+            longer one is logged as its length and keyed hash without being scanned, so that one huge
+            value cannot hold the event loop in the redactor.
     """
 
     model_config = SettingsConfigDict(env_prefix="KVGATE_", extra="ignore")
@@ -126,6 +130,7 @@ class Settings(BaseSettings):
     auth_failure_window_s: float = Field(default=60.0, gt=0)
     auth_failure_flush_s: float = Field(default=1.0, gt=0, le=60)
     auth_failure_max_peers: int = Field(default=10_000, ge=1, le=1_000_000)
+    log_max_value_chars: int = Field(default=DEFAULT_MAX_VALUE_CHARS, ge=256)
 
     @field_validator("determinism_modes")
     @classmethod

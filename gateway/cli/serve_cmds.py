@@ -22,7 +22,8 @@ def configure_serve_logging(settings: Settings, stream: IO[bytes] | None = None)
         from audit.logging import configure_logging
     except ImportError:  # the audit package is optional at this layer
         return
-    configure_logging(json=settings.log_json, level="INFO", stream=stream)
+    configure_logging(json=settings.log_json, level="INFO", stream=stream,
+                      max_value_chars=settings.log_max_value_chars)
     logging.getLogger("alembic").setLevel(logging.WARNING)
 
 

@@ -52,6 +52,31 @@ def test_export_verify_purge(data_dir: Path) -> None:
     assert res.exit_code == 0 and "BEGIN PUBLIC KEY" in res.output and "SHA256:" in res.output
 
 
+async def _tamper(data_dir: Path, where) -> None:  # type: ignore[no-untyped-def]
+    from audit.tables import audit_events
+
+    store = await AuditStore.open(f"sqlite+aiosqlite:///{data_dir / 'kvgate.db'}", data_dir)
+    await append_events(store, 4)  # seq 9..12; closing checkpoints 12 (8 was checkpointed before)
+    await store.close()
+    async with store.engine.begin() as conn:
+        await conn.execute(audit_events.delete().where(where(audit_events.c.seq)))
+    await store.engine.dispose()
+
+
+@pytest.mark.parametrize("where,reason", [
+    (lambda seq: seq > 10, "chain truncated: ends at seq 10"),
+    (lambda seq: seq <= 8, "no audit.purged event records a purge there"),
+], ids=["newest", "oldest"])
+def test_bundle_of_a_store_with_rows_deleted_fails_verification(data_dir: Path, where, reason: str) -> None:
+    asyncio.run(_tamper(data_dir, where))
+    runner = CliRunner()
+    res = runner.invoke(app, ["audit", "export", "--out", str(data_dir / "b.tar")])
+    assert res.exit_code == 0, res.output
+    key = data_dir / "audit_public_key.pem"
+    res = runner.invoke(app, ["audit", "verify", str(data_dir / "b.tar"), "--public-key", str(key)])
+    assert res.exit_code == 1 and reason in res.output, res.output
+
+
 async def _retain(data_dir: Path) -> str:
     from datetime import UTC, datetime
 

@@ -88,6 +88,19 @@ def test_redactor_with_capture_logs() -> None:
     assert CANARY not in redactor(None, "info", {"error": f"x {CANARY!r} y"})["error"]
 
 
+def test_ids_in_log_lines_survive_a_prompt_that_equals_them() -> None:
+    redactor = Redactor(hash_key=b"k" * 32)
+    with capture_logs(processors=[structlog.contextvars.merge_contextvars, redactor]) as logs:
+        bind_request_context(request_id="req-77f3", tenant_id="tenant-4f2a9c1e", key_id="0123456789abcdef")
+        register_sensitive("tenant-4f2a9c1e", "0123456789abcdef", "req-77f3")
+        structlog.get_logger().info("completion", error="failed for tenant-4f2a9c1e")
+    (entry,) = logs
+    assert (entry["request_id"], entry["tenant_id"], entry["key_id"]) == (
+        "req-77f3", "tenant-4f2a9c1e", "0123456789abcdef")
+    assert entry["error"] == "failed for [REDACTED:content]"
+    assert redactor(None, "info", {"key_id": KVG_KEY})["key_id"] == "kvg_0123456789abcdef_[REDACTED]"
+
+
 def _boom(prompt: str) -> None:
     raise ValueError(f"model rejected prompt {prompt!r} for key {KVG_KEY} (contact alice@example.com)")
 

@@ -13,7 +13,7 @@ from audit.events import ADMIN_ACTION, AUDIT_PURGED, REQUEST_FINISHED, make_even
 from audit.export import ExportSpec, export_bundle
 from audit.integrity import verify_store
 from audit.retention import RecordUnreadable, RetentionStore, load_or_create_master_key
-from audit.store import AuditStore, AuditUnavailable, make_audit_engine
+from audit.store import AuditStore, AuditUnavailable, format_ts, make_audit_engine
 from audit.tables import audit_checkpoints, audit_events, retained_prompts
 from audit.verify import verify_bundle
 from tests.audit.conftest import append_events
@@ -47,6 +47,21 @@ async def test_context_ids_and_no_secrets_in_table(store: AuditStore) -> None:
     assert len(store.keys.prompt_hash("x")) == 32
 
 
+async def test_ids_are_stored_as_given_when_a_prompt_holds_them(store: AuditStore, tmp_path: Path) -> None:
+    ids = {"request_id": "req-77f3", "tenant_id": "tenant-4f2a9c1e", "key_id": "0123456789abcdef"}
+    with request_context(**ids):
+        register_sensitive(*ids.values(), "admin-9f1c")  # a chat whose messages are its own ids
+        await store.append(make_event(REQUEST_FINISHED, model="m", finish_reason="stop"))
+        await store.append(make_event(ADMIN_ACTION, actor="admin-9f1c", action="key.update"))
+    async with store.engine.connect() as conn:
+        rows = (await conn.execute(select(audit_events).order_by(audit_events.c.seq))).mappings().all()
+    assert [(r["request_id"], r["tenant_id"], r["key_id"], r["actor"]) for r in rows] == [
+        (*ids.values(), None), (*ids.values(), "admin-9f1c")]
+    await export_bundle(store, tmp_path / "tenant", ExportSpec(tenant=ids["tenant_id"]))
+    result = verify_bundle(tmp_path / "tenant", store.keys.public_key)
+    assert result.ok and result.num_events == 2, result
+
+
 async def test_unavailable_store_fails_closed(tmp_path: Path) -> None:
     store = await AuditStore.open(f"sqlite+aiosqlite:///{tmp_path / 'a.db'}", tmp_path, create_tables=True)
     async with store.engine.begin() as conn:
@@ -72,9 +87,57 @@ async def test_purge_keeps_remaining_chain_verifiable(store: AuditStore, tmp_pat
     assert seqs == list(range(10, 16)) and 9 in cps and last.name == AUDIT_PURGED
     assert (await verify_store(store)).ok
     manifest = await export_bundle(store, tmp_path / "after", ExportSpec())
-    assert manifest["anchor"]["seq"] == 9
+    assert manifest["anchor"]["seq"] == 9 and manifest["purge"]["seq"] == 15
     result = verify_bundle(tmp_path / "after", store.keys.public_key)
     assert result.ok and result.first_seq == 10, result
+    # A tenant's export does not hold the purge event, but carries it as the proof of its anchor.
+    await export_bundle(store, tmp_path / "t1", ExportSpec(tenant="t1"))
+    assert verify_bundle(tmp_path / "t1", store.keys.public_key).ok
+    # A second purge cuts past the first one's event; its own event records the new cut.
+    cut_time = datetime.now(UTC)
+    await append_events(store, 3)
+    assert (await store.purge(cut_time)).cut_seq == 17  # the purge at 15 and two exports went too
+    assert (await verify_store(store)).ok
+    await export_bundle(store, tmp_path / "again", ExportSpec())
+    assert verify_bundle(tmp_path / "again", store.keys.public_key).ok
+
+
+async def _delete_rows(store: AuditStore, *where) -> None:
+    async with store.engine.begin() as conn:
+        await conn.execute(audit_events.delete().where(*where))
+
+
+async def test_rows_deleted_from_the_end_fail_verification(store: AuditStore) -> None:
+    await append_events(store, 10)
+    await _delete_rows(store, audit_events.c.seq > 8)
+    check = await verify_store(store)
+    assert not check.ok and check.first_bad_seq == 9 and "head is at seq 10" in check.reason, check
+    await _delete_rows(store)
+    assert not (await verify_store(store)).ok
+
+
+async def test_rows_deleted_from_the_start_without_a_purge_fail_verification(store: AuditStore) -> None:
+    await append_events(store, 10)  # checkpoints at 4 and 8
+    await _delete_rows(store, audit_events.c.seq <= 4)
+    check = await verify_store(store)
+    assert not check.ok and check.first_bad_seq == 5 and "audit.purged" in check.reason, check
+
+
+async def test_purge_cuts_by_sequence_when_clocks_disagree(store: AuditStore,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    # Replicas share the chain with skewed clocks: seq 5 comes from one that runs an hour behind.
+    cut_time = datetime(2026, 3, 1, 12, tzinfo=UTC)
+    for hours in (-3, -2, -1, +1, -1, +2):
+        stamp = format_ts(cut_time + timedelta(hours=hours))
+        monkeypatch.setattr("audit.store.now_ts", lambda stamp=stamp: stamp)
+        await append_events(store, 1)
+    monkeypatch.undo()
+    result = await store.purge(cut_time, actor="test")
+    assert (result.cut_seq, result.num_deleted) == (3, 3)
+    async with store.engine.connect() as conn:
+        seqs = (await conn.execute(select(audit_events.c.seq).order_by(audit_events.c.seq))).scalars().all()
+    assert seqs == [4, 5, 6, 7]  # seq 4 is newer than the cut-off: neither it nor anything after goes
+    assert (await verify_store(store)).ok
 
 
 async def test_db_tampering_found_by_chain_key(store: AuditStore) -> None:

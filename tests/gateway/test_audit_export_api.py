@@ -86,6 +86,23 @@ async def test_export_is_itself_audited_and_the_cli_verifies_it(gw, tmp_path):
     assert out.exit_code == 0 and out.output.startswith("OK:"), out.output
 
 
+async def test_a_chat_made_of_its_own_ids_stays_in_its_tenants_export(gw, tmp_path):
+    tid, key = await gw.make_tenant()
+    key_id = key.split("_")[1]
+    chat = {"model": gw.runtime.engine.model_name, "max_tokens": 2, "messages": [
+        {"role": "system", "content": tid}, {"role": "user", "content": key_id}]}
+    r = await gw.client.post("/v1/chat/completions", headers={"Authorization": f"Bearer {key}"}, json=chat)
+    assert r.status_code == 200, r.text
+    r = await gw.client.get(EXPORT, headers=gw.admin(), params={"tenant": tid})
+    assert r.status_code == 200, r.text
+    path = _save(tmp_path, "t.tar", r.content)
+    key = load_public_key((gw.settings.data_dir / PUBLIC_KEY_FILE).read_bytes())
+    assert verify_bundle(path, key).ok
+    records = [orjson.loads(line) for line in _member(path, "events.jsonl").splitlines()]
+    assert [r["name"] for r in records] == ["auth.success", "request.admitted", "request.finished"]
+    assert all((r["tenant_id"], r["key_id"]) == (tid, key_id) for r in records)
+
+
 @pytest.mark.parametrize(
     "params,param",
     [
