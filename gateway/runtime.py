@@ -92,12 +92,11 @@ class Runtime:
             from engine import AsyncLLMEngine
 
             return AsyncLLMEngine(self.settings.engine_config())
-        from audit.logging import configure_logging
         from engine.process import ProcessLLMEngine
 
         # The child logs through the same redacting chain as this process.
-        return ProcessLLMEngine(self.settings.engine_config(), initializer=configure_logging,
-                                initargs=(self.settings.log_json, "INFO"))
+        return ProcessLLMEngine(self.settings.engine_config(), initializer=_configure_child_logging,
+                                initargs=(self.settings.log_json, self.settings.log_max_value_chars))
 
     async def _keep_lease(self) -> None:
         """Renew this instance's in-flight lease three times per lease period until stopped."""
@@ -149,3 +148,10 @@ class Runtime:
             return True
         except Exception:  # noqa: BLE001  (readiness reports, never raises)
             return False
+
+
+def _configure_child_logging(is_json: bool, max_value_chars: int) -> None:
+    """The engine child's logging: the same redacting chain, and value cap, as this process."""
+    from audit.logging import configure_logging
+
+    configure_logging(json=is_json, level="INFO", max_value_chars=max_value_chars)
