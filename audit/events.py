@@ -92,10 +92,13 @@ def strip_secrets(value: Any) -> Any:
 
 def records_purge(record: Mapping[str, Any], cut_seq: int, cut_hash: str) -> bool:
     """Whether a stored or exported ``record`` is the ``audit.purged`` event of a cut at ``cut_seq``
-    whose link is ``cut_hash`` (it follows the cut: the purge appended it after deleting)."""
+    whose link is ``cut_hash`` (it follows the cut: the purge appended it after deleting). An event of a
+    purge made before purges recorded the link names the cut by its sequence alone; it is chained after
+    the cut like any event, so it still proves that the rows before the cut were purged, not lost."""
     data, seq = record.get("data"), record.get("seq")
     return (record.get("name") == AUDIT_PURGED and isinstance(data, dict) and isinstance(seq, int)
-            and seq > cut_seq and data.get("cut_seq") == cut_seq and data.get("cut_hash") == cut_hash)
+            and seq > cut_seq and data.get("cut_seq") == cut_seq
+            and data.get("cut_hash", cut_hash) == cut_hash)
 
 
 @dataclass(frozen=True, slots=True)

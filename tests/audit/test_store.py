@@ -220,3 +220,14 @@ async def test_events_joined_in_one_transaction_chain_as_if_appended_one_by_one(
         await run(chain_steps(hook.step("auth.success", **fields(7)), hook.step("auth.success", **fields(8))))
     del store.append_many_sync
     assert (await store.head()).seq == 6  # nothing of the failed transaction holds
+
+
+def test_a_purge_event_from_before_purges_recorded_their_link_still_proves_its_cut() -> None:
+    from audit.events import records_purge
+
+    legacy = {"name": AUDIT_PURGED, "seq": 15, "data": {"before": "x", "cut_seq": 9, "num_deleted": 9}}
+    assert records_purge(legacy, 9, "abc")  # chained after the cut: proof enough of what it removed
+    assert not records_purge(legacy, 8, "abc")
+    current = legacy | {"data": legacy["data"] | {"cut_hash": "abc"}}
+    assert records_purge(current, 9, "abc") and not records_purge(current, 9, "other")
+    assert not records_purge(legacy | {"seq": 9}, 9, "abc")  # a purge event is written after its cut
