@@ -84,7 +84,7 @@ async def _round(server: GatewayServer, key: str, model: str, cfg: SoakConfig, i
     ttfts: list[float] = []
     result = RoundResult(index)
     limits = httpx.Limits(max_connections=cfg.streams + 4)
-    async with httpx.AsyncClient(base_url=server.base_url, verify=server.verify, timeout=300, limits=limits,
+    async with httpx.AsyncClient(base_url=server.base_url, verify=server.verify, timeout=600, limits=limits,
                                  headers={"Authorization": f"Bearer {key}"}) as client:
         t0 = time.monotonic()
         deadline = t0 + cfg.duration_s
