@@ -1,4 +1,5 @@
-"""The user documentation against the code: the generated configuration page."""
+"""The user documentation against the code: the generated configuration page, the admin endpoints and
+the policy fields."""
 
 from __future__ import annotations
 
@@ -14,10 +15,13 @@ from typer.testing import CliRunner
 
 from gateway.cli import app
 from gateway.cli.docs_cmds import configuration_markdown
+from gateway.guards import ADMIN_ROUTE_SCOPES
 from gateway.settings import Settings
 from gateway.settings_doc import REGENERATE, render_configuration, undocumented_fields
+from policies import Policy
 
 ROOT = Path(__file__).resolve().parents[1]
+ADMIN_API = ROOT / "docs" / "admin-api.md"
 
 
 def _read(path: Path) -> str:
@@ -75,3 +79,16 @@ def test_docs_config_writes_the_page_and_is_hidden(tmp_path):
     assert result.exit_code == 0, result.output
     assert _read(out) == configuration_markdown()
     assert typer.main.get_command(app).commands["docs"].hidden  # a maintainer's tool, not in `kvgate --help`
+
+
+def test_every_admin_route_is_in_the_endpoint_table_with_its_scope():
+    text = _read(ADMIN_API)
+    missing = [f"| `{method} {path}` | `{scope}` |" for (method, path), scope in ADMIN_ROUTE_SCOPES.items()
+               if f"| `{method} {path}` | `{scope}` |" not in text]
+    assert not missing, "document these rows in docs/admin-api.md:\n" + "\n".join(missing)
+
+
+def test_every_policy_field_is_in_the_policy_table():
+    text = _read(ADMIN_API)
+    missing = [name for name in Policy.model_fields if f"| `{name}` |" not in text]
+    assert not missing, f"document these policy fields in docs/admin-api.md: {missing}"
