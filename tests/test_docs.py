@@ -1,9 +1,10 @@
-"""The user documentation against the code: the generated configuration page, the admin endpoints and
-the policy fields."""
+"""The user documentation against the code: the generated configuration page, admin endpoints and policy
+fields, the commands, flags and endpoints the pages name, and their links."""
 
 from __future__ import annotations
 
 import difflib
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -21,6 +22,8 @@ from gateway.settings_doc import REGENERATE, render_configuration, undocumented_
 from policies import Policy
 
 ROOT = Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", *(ROOT / "docs" / name for name in (
+    "configuration.md", "admin-api.md", "operations.md", "architecture.md", "performance.md"))]
 ADMIN_API = ROOT / "docs" / "admin-api.md"
 
 
@@ -92,3 +95,90 @@ def test_every_policy_field_is_in_the_policy_table():
     text = _read(ADMIN_API)
     missing = [name for name in Policy.model_fields if f"| `{name}` |" not in text]
     assert not missing, f"document these policy fields in docs/admin-api.md: {missing}"
+
+
+def _app_routes(tmp_path: Path) -> set[tuple[str, str]]:
+    from litestar.routes import ASGIRoute
+
+    from gateway.app import create_app
+
+    routes = set()
+    for route in create_app(Settings(data_dir=tmp_path)).routes:
+        methods = {"POST"} if isinstance(route, ASGIRoute) else set(route.methods)
+        routes |= {(m, re.sub(r"\{[^}]*\}", "{}", route.path_format)) for m in methods}
+    return routes
+
+
+def test_every_endpoint_the_pages_name_exists(tmp_path):
+    routes = _app_routes(tmp_path)
+    unknown = []
+    for page in PAGES:
+        for method, path in re.findall(r"`(GET|POST|PUT|PATCH|DELETE|OPTIONS) (/[^`\s?]*)", _read(page)):
+            if (method, re.sub(r"\{[^}]*\}", "{}", path)) not in routes:
+                unknown.append(f"{page.name}: {method} {path}")
+    assert not unknown, "no such endpoint:\n" + "\n".join(unknown)
+
+
+def _code_texts(text: str) -> list[str]:
+    """Inline code spans, and each line of shell code blocks (output blocks are not commands)."""
+    shell = re.findall(r"```(?:bash|sh|shell|console)\n(.*?)```", text, flags=re.S)
+    prose = re.sub(r"```.*?```", "", text, flags=re.S)
+    return re.findall(r"`([^`\n]+)`", prose) + [line for block in shell for line in block.splitlines()]
+
+
+def _invocations(code: str) -> list[list[str]]:
+    """The words after each ``kvgate`` command in one line of code, up to a pipe, comment or ``)``."""
+    out = []
+    for match in re.finditer(r"(?:^|[\s/(])kvgate((?: +[^\s]+)*)", code):
+        words = []
+        for word in match.group(1).split():
+            if word.startswith(("#", "|", "&&", ";", ">")):
+                break
+            words.append(word.strip("[]").rstrip(")"))
+            if word.endswith(")"):
+                break
+        out.append(words)
+    return out
+
+
+def _check_invocation(words: list[str]) -> str | None:
+    command = typer.main.get_command(app)  # typer's own click: groups are told by their `commands`
+    for i, word in enumerate(words):
+        if word.startswith("-") or not hasattr(command, "commands") or word.isupper():
+            break
+        if word not in command.commands:
+            return f"no command {word!r} after kvgate {' '.join(words[:i])}"
+        command = command.commands[word]
+    opts = {o for p in command.params for o in (*p.opts, *getattr(p, "secondary_opts", ()))} | {"--help"}
+    bad = [w for w in words if w.startswith("--") and w.split("=")[0] not in opts]
+    return f"kvgate {' '.join(words)}: no option {bad}" if bad else None
+
+
+def test_every_command_and_flag_the_pages_name_exists():
+    problems = []
+    for page in PAGES:
+        for code in _code_texts(_read(page)):
+            for words in _invocations(code):
+                problem = _check_invocation(words)
+                if problem:
+                    problems.append(f"{page.name}: {problem}")
+    assert not problems, "\n".join(problems)
+
+
+def _anchors(path: Path) -> set[str]:
+    """GitHub's heading anchors: lower case, punctuation dropped, spaces to hyphens."""
+    headings = re.findall(r"^#+ (.+)$", re.sub(r"```.*?```", "", _read(path), flags=re.S), flags=re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
+
+
+def test_every_relative_link_and_anchor_resolves():
+    broken = []
+    for page in PAGES:
+        for target in re.findall(r"\]\(([^)\s]+)\)", _read(page)):
+            if re.match(r"[a-z]+:", target):
+                continue
+            file_part, _, anchor = target.partition("#")
+            path = (page.parent / file_part).resolve() if file_part else page
+            if not path.exists() or (anchor and anchor not in _anchors(path)):
+                broken.append(f"{page.name}: {target}")
+    assert not broken, "broken links:\n" + "\n".join(broken)
