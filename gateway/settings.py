@@ -43,17 +43,17 @@ class Settings(BaseSettings):
         durable_commits: Wait for the disk when committing an admission (its reservation and audit
             event) before any engine work. Off, an OS crash or power loss may lose the last commits
             (never a crash of this process; PostgreSQL's ``synchronous_commit=off`` trade-off).
-        db_null_pool: Open a database connection per session instead of pooling (PgBouncer; tests).
+        db_null_pool: Open a new database connection for each use instead of pooling them (PgBouncer; tests).
         retention_master_key: Wraps the per-tenant prompt-retention data keys (32 bytes as hex or base64);
             ``None`` uses (or creates) ``retention_master.key`` in ``data_dir``.
         log_json: Emit JSON logs.
         reserved_cpus: Physical cores left to the gateway's own threads (event loop, TLS, database
             writer): the engine's intra-op threads are the rest, at least one. On the 2-core benchmark
             machine one reserved core takes ~1 ms off every request's added latency for ~10% of the
-            engine's batched throughput (README). vLLM's CPU backend reserves one the same way.
+            engine's batched throughput (docs/performance.md). vLLM's CPU backend reserves one the same way.
         engine_process: Run the engine in a child process of its own (the default) instead of a thread of
             this one: the event loop, the database writer and the engine's Python stop taking turns on one
-            GIL. Measured (README, gateway benchmark): +45-66% requests/s with 8 clients and shorter tails
+            GIL. Measured (docs/performance.md): +45-66% requests/s with 8 clients and shorter tails
             under a request rate, for 0.2-0.55 ms more per lone request (the pipe) and ~3 s more start-up. The
             child loads the model; this process keeps a tokenizer.
         determinism_modes: Comma list of the determinism modes the engine serves (``fast``, ``fixed``,

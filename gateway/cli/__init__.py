@@ -24,7 +24,7 @@ def _register() -> None:
         replay_cmd,  # noqa: F401  (replay)
     )
 
-    for optional in ("serve_cmds", "admin_cmds", "db_cmds", "audit_cmds"):
+    for optional in ("serve_cmds", "admin_cmds", "db_cmds", "audit_cmds", "docs_cmds"):
         try:
             __import__(f"gateway.cli.{optional}")
         except ModuleNotFoundError as e:
