@@ -150,7 +150,7 @@ def serve(
         typer.Option(help="Seconds a client may take nothing of its reply (KVGATE_STREAM_STALL_TIMEOUT_S)."),
     ] = None,
 ) -> None:
-    """Run the HTTPS gateway with the engine in-process (migrates the database first)."""
+    """Run the HTTPS gateway and its engine, a supervised child process (migrates the database first)."""
     import uvicorn
 
     from gateway.storage import migrate
