@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine.determinism import ENGINE_VERSION
 from engine.request import SamplingParams, Sequence
 from engine.sampler import draw_uniform, sample
 
@@ -195,3 +196,12 @@ def test_draw_uniform_is_in_the_half_open_unit_interval():
     assert all(0.0 < u <= 1.0 for u in us)
     assert abs(sum(us) / len(us) - 0.5) < 0.05 and len(set(us)) == len(us)
 
+
+def test_seeded_tokens_are_pinned_to_the_engine_version():
+    """Seeded tokens are part of a replay receipt: when this draw changes, ENGINE_VERSION must change
+    too (it is hashed into every system fingerprint), so an old receipt shows as from another system
+    instead of as a failed replay on this one. Update both together."""
+    params = SamplingParams(temperature=1.0, top_p=0.9)
+    logits = torch.linspace(-2.0, 2.0, 97)[None]
+    tokens = [sample(logits, [_seq(params, seed=s, position=3 + s)])[0][0] for s in range(8)]
+    assert (ENGINE_VERSION, tokens) == ("0.3.0", [75, 83, 79, 78, 94, 60, 95, 93])
