@@ -11,7 +11,9 @@ logger = logging.getLogger("kvgate.engine")
 
 FAST, FIXED, BATCH_INVARIANT = "fast", "fixed", "batch_invariant"
 MODES = (FAST, FIXED, BATCH_INVARIANT)
-ENGINE_VERSION = "0.2.1"
+# Hashed into every system fingerprint: bump it whenever the same request and seed can give other tokens
+# (a new sampler draw, as in 0.3.0's inverse CDF), so an old receipt replays as from another system.
+ENGINE_VERSION = "0.3.0"
 # A matmul's per-row result depends on the call's row count: BLAS picks gemv/small-M kernels, K blocking
 # and thread splits by shape (measured on 2-core Xeons: rows change below 12 and again at 63..129 rows for
 # K=1536 but not for K=576). Batch-invariant steps therefore run every matmul as calls of fixed row counts

@@ -8,30 +8,149 @@ import torch
 
 from engine.request import Sequence, TokenLogprobs
 
+# Candidate counts for finding a row's top-k/top-p cut, tried in turn: the rows whose cut the K most
+# likely tokens do not settle move on to the next count (a full sort at the vocabulary size). On
+# SmolLM2-135M at temperature 1 the top_p=0.95 nucleus is ~50 tokens at the median and a few thousand
+# at worst, so most rows stop at the first and a full sort is rare.
+_CANDIDATE_COUNTS = (256, 4096)
+
 
 def draw_seed(seed: int, sample_index: int, position: int) -> int:
-    """A 63-bit generator seed keyed by (seed, sample, position): a seeded request's draws never depend
-    on which other requests share its batch, nor on how many draws came before."""
+    """A 63-bit value keyed by (seed, sample, position): a seeded request's draws never depend on which
+    other requests share its batch, nor on how many draws came before."""
     data = b"%d:%d:%d" % (seed, sample_index, position)
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") >> 1
 
 
-def _filter(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    # logits: [V], temperature already applied
-    if 0 < top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        # drop a token when the mass strictly before it already reaches top_p (the first always stays)
-        drop = (torch.cumsum(probs, dim=-1) - probs) >= top_p
-        logits = logits.scatter(0, order[drop], float("-inf"))
-    return logits
+def draw_uniform(seed: int, sample_index: int, position: int) -> float:
+    """The one uniform in (0, 1] that picks the token at ``position``: the top 53 bits of ``draw_seed``."""
+    return ((draw_seed(seed, sample_index, position) >> 10) + 1) / 2.0**53
+
+
+def _probs(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """[S, V] softmax(logits / temperature); temperature: [S, 1] > 0.
+
+    A temperature below 2^-100 of the row's largest logit is raised to that: the top logit then
+    divides to at most 2^100 (no overflow), and every other one still lands at least 2^76 below it,
+    so the distribution is the same one-hot (split among exact ties) as at any smaller temperature.
+    """
+    top = logits.amax(dim=-1, keepdim=True).abs_()
+    floor = torch.clamp(top * 2.0**-100, min=torch.finfo(torch.float32).tiny)
+    return torch.softmax(logits / torch.maximum(temperature, floor), dim=-1)
+
+
+def _cut(vals: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, complete: bool
+         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's keep threshold from its K largest probabilities, and whether those K settle it.
+
+    A row keeps the tokens whose probability is at least its threshold: top-k keeps the k most likely
+    (and any tied with the k-th), then top-p, over that set's renormalized mass, drops a token when the
+    mass of the tokens strictly more likely already reaches top_p (the most likely always stays). The
+    threshold is a probability value and the prefix sums run in order, so a row gets the same bits
+    whatever K is, that is whatever rows share the step.
+
+    Args:
+        vals: [R, K] the K largest probabilities per row, descending.
+        top_k: [R] int64, the vocabulary size where top-k is off.
+        top_p: [R] float64, 1 where top-p is off.
+        complete: ``vals`` holds the whole vocabulary.
+    """
+    num = vals.shape[1]
+    cs = vals.cumsum(dim=-1, dtype=torch.float64)  # [R, K], sequential per row
+    has_k, has_p = top_k < num, top_p < 1.0
+    kth = vals.gather(1, (top_k.clamp(max=num) - 1)[:, None])[:, 0]  # [R]
+    num_k = (vals >= kth[:, None]).sum(dim=-1)
+    mass = torch.where(has_k, cs.gather(1, (num_k - 1)[:, None])[:, 0], 1.0)  # top-k's, or the softmax's
+    before = torch.nn.functional.pad(cs[:, :-1], (1, 0))  # [R, K] the mass strictly before each position
+    num_p = (before < (top_p * mass)[:, None]).sum(dim=-1).clamp(min=1)
+    thr = torch.where(has_p, vals.gather(1, (num_p - 1)[:, None])[:, 0], kth)
+    # Settled when every token tied with the k-th (whose mass top-p needs) and with the cut is among
+    # the K: then a larger K finds the same threshold.
+    settled = complete | (vals[:, -1] < torch.where(has_k, kth, thr))
+    return thr, settled
+    return thr, settled
+
+
+def _rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    return x if idx.numel() == x.shape[0] else x[idx]
+
+
+def _search(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """[R] the position whose CDF interval holds ``u``, the CDF taken along each row of ``weights``.
+
+    A zero weight (a dropped token, or one whose probability underflowed) adds nothing to the CDF, so
+    the left search never lands on it. The prefix sums are float64 and sequential: every token's interval
+    is its probability to 2^-53, and a row's sums are the same bits with or without zeros in between."""
+    cdf = weights.cumsum(dim=-1, dtype=torch.float64)  # [R, K]
+    target = u * cdf[:, -1]  # u in (0, 1], so 0 < target <= the row's total
+    return torch.searchsorted(cdf, target[:, None])[:, 0].clamp_(max=weights.shape[1] - 1)
+
+
+def _draw_truncated(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                    u: torch.Tensor) -> torch.Tensor:
+    """[R] tokens of rows with top-k or top-p: the cut from the K most likely tokens of each row (K from
+    ``_CANDIDATE_COUNTS``, then the whole vocabulary for rows those do not settle), then the inverse CDF
+    over the kept tokens in vocabulary order, so that ties need no ordering and the token is the one the
+    whole masked vocabulary would give."""
+    vocab = probs.shape[1]
+    tokens = torch.empty(probs.shape[0], dtype=torch.long)
+    pending = torch.arange(probs.shape[0])
+    for count in (*_CANDIDATE_COUNTS, vocab):
+        ks = top_k[pending]
+        num = min(vocab, max(count, int(torch.where(ks < vocab, ks, 0).max()) + 1))
+        vals, idx = torch.topk(_rows(probs, pending), num, dim=-1)  # [R, num] descending
+        thr, settled = _cut(vals, ks, top_p[pending], num == vocab)
+        done = pending[settled]
+        keep = vals[settled] >= thr[settled, None]
+        ids, order = torch.where(keep, idx[settled], vocab).sort(dim=-1)  # kept ids ascending, then padding
+        weights = torch.where(keep, vals[settled], 0.0).gather(1, order)
+        tokens[done] = ids.gather(1, _search(weights, u[done])[:, None])[:, 0]
+        pending = pending[~settled]
+        if pending.numel() == 0:
+            break
+    return tokens
+
+
+def _sample_rows(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """[S] one token per row, all rows sampling with a temperature > 0."""
+    params = [s.params for s in seqs]
+    vocab = logits.shape[1]
+    temperature = torch.tensor([[p.temperature] for p in params], dtype=torch.float32)
+    top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], dtype=torch.long)
+    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float64)
+    u = torch.tensor([draw_uniform(s.sample_seed, s.sample_index, s.num_tokens) for s in seqs],
+                     dtype=torch.float64)
+    probs = _probs(logits.float(), temperature)
+    tokens = torch.empty(len(seqs), dtype=torch.long)
+    truncated = (top_k < vocab) | (top_p < 1.0)
+    full, part = torch.nonzero(~truncated)[:, 0], torch.nonzero(truncated)[:, 0]
+    if full.numel():
+        tokens[full] = _search(_rows(probs, full), u[full])
+    if part.numel():
+        tokens[part] = _draw_truncated(_rows(probs, part), top_k[part], top_p[part], u[part])
+    return tokens
+
+
+def _logprobs(logits: torch.Tensor, seqs: list[Sequence], tokens: list[int]) -> list[TokenLogprobs | None]:
+    out: list[TokenLogprobs | None] = [None] * len(seqs)
+    want = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+    if not want:
+        return out
+    lp = torch.log_softmax(logits[want], dim=-1)
+    k = max(seqs[i].params.logprobs for i in want)
+    top_vals, top_ids = (torch.topk(lp, k) if k else (lp[:, :0], lp[:, :0].long()))
+    for row, i in enumerate(want):
+        n = seqs[i].params.logprobs
+        top = dict(zip(top_ids[row, :n].tolist(), top_vals[row, :n].tolist(), strict=True))
+        out[i] = TokenLogprobs(tokens[i], float(lp[row, tokens[i]]), top)
+    return out
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[TokenLogprobs | None]]:
-    """Pick one token per row.
+    """Pick one token per row: greedy rows by argmax, the rest all at once by one counter-based uniform
+    per row (``draw_uniform`` of the row's seed, sample index and position) through the inverse CDF of
+    its temperature-scaled, top-k/top-p-truncated distribution. A row's token depends only on its own
+    logits, parameters and counter, never on the other rows.
 
     Args:
         logits: [N, vocab] float32, row i for ``seqs[i]``.
@@ -40,24 +159,13 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[
     Returns:
         The chosen token ids and, for sequences that asked, their logprobs.
     """
-    tokens = torch.argmax(logits, dim=-1).tolist()
-    for i, seq in enumerate(seqs):
-        p = seq.params
-        if p.is_greedy:
+    tokens = [0] * len(seqs)
+    for greedy in (False, True):
+        idx = [i for i, s in enumerate(seqs) if s.params.is_greedy == greedy]
+        if not idx:
             continue
-        row = _filter(logits[i] / p.temperature, p.top_k, p.top_p)
-        probs = torch.softmax(row, dim=-1)
-        gen = torch.Generator().manual_seed(draw_seed(seq.sample_seed, seq.sample_index, seq.num_tokens))
-        race = torch.empty_like(probs).exponential_(generator=gen)  # argmax(p / Exp(1)) ~ Categorical(p)
-        tokens[i] = int(torch.argmax(probs / race))
-    out_logprobs: list[TokenLogprobs | None] = [None] * len(seqs)
-    want = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
-    if want:
-        lp = torch.log_softmax(logits[want], dim=-1)
-        k = max(seqs[i].params.logprobs for i in want)
-        top_vals, top_ids = (torch.topk(lp, k) if k else (lp[:, :0], lp[:, :0].long()))
-        for row, i in enumerate(want):
-            n = seqs[i].params.logprobs
-            top = dict(zip(top_ids[row, :n].tolist(), top_vals[row, :n].tolist(), strict=True))
-            out_logprobs[i] = TokenLogprobs(tokens[i], float(lp[row, tokens[i]]), top)
-    return tokens, out_logprobs
+        rows = logits if len(idx) == len(seqs) else logits[idx]
+        picked = torch.argmax(rows, dim=-1) if greedy else _sample_rows(rows, [seqs[i] for i in idx])
+        for i, t in zip(idx, picked.tolist(), strict=True):
+            tokens[i] = t
+    return tokens, _logprobs(logits, seqs, tokens)
