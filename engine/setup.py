@@ -33,11 +33,12 @@ from engine.loader import (
     resolve_model_dir,
 )
 from engine.models import LlamaForCausalLM
-from kernels import KernelBuildError, load_cpu_kernels
+from kernels import KernelBuildError, load_cpu_kernels, load_decode_kernel
 
 logger = logging.getLogger("kvgate.engine")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_decode_warned = False
 
 
 @dataclass(slots=True)
@@ -115,6 +116,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
         raise ModelLoadError("device 'cuda' requested but no CUDA device is available")
     if device.type == "cpu":
         pin_threads(config.num_threads)
+        prepare_decode_kernel(config.cache_dir)
     dtype = _DTYPES[config.dtype]
     model_dir = resolve_model_dir(config.model, config.cache_dir)
     mc = load_model_config(model_dir)
@@ -198,9 +200,25 @@ def _enable_batch_invariance(config: EngineConfig, loaded: LoadedModel
 
 
 def prepare_cpu_kernels(cache_dir: str | None = None) -> str | None:
-    """Build (once) the C++ CPU kernels batch_invariant mode needs; return why not, or None."""
+    """Build (once) the C++ CPU kernels: the fused decode kernel and the one batch_invariant mode needs;
+    return why the latter is unavailable, or None."""
+    prepare_decode_kernel(cache_dir)
     try:
         load_cpu_kernels(Path(cache_dir) if cache_dir else default_cache_dir())
     except KernelBuildError as e:
         return str(e)
     return None
+
+
+def prepare_decode_kernel(cache_dir: str | None = None) -> bool:
+    """Build (once per machine) or load the fused CPU decode-attention kernel. Without it the CPU decodes
+    on the torch path, which is logged once per process."""
+    global _decode_warned
+    try:
+        load_decode_kernel(Path(cache_dir) if cache_dir else default_cache_dir())
+    except KernelBuildError as e:
+        if not _decode_warned:
+            logger.warning("fused CPU decode attention unavailable, decoding on the torch path: %s", e)
+            _decode_warned = True
+        return False
+    return True

@@ -1,6 +1,13 @@
-"""Attention and KV-cache kernels: torch implementations plus a batch-invariant C++ CPU kernel."""
+"""Attention and KV-cache kernels: torch paths plus C++ CPU kernels (batch-invariant, fused decode)."""
 
-from kernels.cpu_ext import KernelBuildError, load_cpu_kernels, paged_attention_rows
+from kernels.cpu_ext import (
+           KernelBuildError,
+           decode_kernel_loaded,
+           load_cpu_kernels,
+           load_decode_kernel,
+           paged_attention_rows,
+           paged_decode_attention,
+)
 from kernels.paged_attention import (
            AttentionMetadata,
            DecodeGroup,
@@ -11,4 +18,5 @@ from kernels.paged_attention import (
 from kernels.store_kv import store_kv
 
 __all__ = ["AttentionMetadata", "DecodeGroup", "InvariantRows", "KernelBuildError", "PrefillSpan",
-           "load_cpu_kernels", "paged_attention", "paged_attention_rows", "store_kv"]
+           "decode_kernel_loaded", "load_cpu_kernels", "load_decode_kernel", "paged_attention",
+           "paged_attention_rows", "paged_decode_attention", "store_kv"]

@@ -1,67 +1,106 @@
-"""Build and load the C++ CPU kernels (batch-invariant paged attention) once per machine."""
+"""Build and load the C++ CPU kernels (batch-invariant rows, fused decode) once per machine."""
 
 from __future__ import annotations
 
 import hashlib
 import platform
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
 import torch
 
-_SOURCE = Path(__file__).with_name("csrc") / "paged_attention_rows.cpp"
+_CSRC = Path(__file__).with_name("csrc")
 # No fast-math and no FMA contraction: vectorised and scalar code then round identically, which is what
 # makes the kernel's results independent of how the compiler split the loops.
 _CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-std=c++17", "-fopenmp"]
+# The fused decode kernel promises no bitwise result, so the compiler may contract and vectorise freely.
+_DECODE_CFLAGS = ["-O3", "-march=native", "-fno-fast-math", "-std=c++17", "-fopenmp"]
 # torch ships libgomp.so.1 and loads it first, so the extension binds to the same OpenMP runtime and
 # honours torch.set_num_threads.
 _LDFLAGS = ["-fopenmp"]
 _lock = threading.Lock()
-_module: ModuleType | None = None
 
 
 class KernelBuildError(RuntimeError):
     """The C++ kernels could not be built (no compiler, no headers)."""
 
 
-def _cpu_tag() -> str:
-    """Builds use -march=native, so a build is only valid on the CPU it was made for."""
-    flags = ""
+@dataclass(slots=True)
+class _Extension:
+    prefix: str
+    source: Path
+    cflags: list[str]
+    module: ModuleType | None = None
+    error: KernelBuildError | None = None  # a failed build is not retried in this process
+
+
+_ROWS = _Extension("kvgate_cpu", _CSRC / "paged_attention_rows.cpp", _CFLAGS)
+_DECODE = _Extension("kvgate_decode", _CSRC / "paged_decode_attention.cpp", _DECODE_CFLAGS)
+
+
+def _cpu_identity() -> str:
+    """What -march=native compiles for: the ISA feature list (``flags`` on x86, ``Features`` on ARM).
+    Where /proc/cpuinfo says nothing, the host name, so a shared cache never hands one machine's build
+    to another."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                flags = line
-                break
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
-        pass
-    material = "|".join((platform.machine(), flags, torch.__version__, " ".join(_CFLAGS),
-                         _SOURCE.read_text()))
+        lines = []
+    features = next((ln for ln in lines if ln.startswith(("flags", "Features"))), "")
+    return features or f"host:{platform.node()}"
+
+
+def _build_tag(ext: _Extension) -> str:
+    """Builds use -march=native, so a build is only valid on a CPU with the same instructions."""
+    material = "|".join((platform.machine(), _cpu_identity(), torch.__version__, " ".join(ext.cflags),
+                         ext.source.read_text()))
     return hashlib.sha256(material.encode()).hexdigest()[:16]
 
 
+def _load(ext: _Extension, build_root: str | Path) -> ModuleType:
+    with _lock:
+        if ext.module is not None:
+            return ext.module
+        if ext.error is not None:
+            raise ext.error
+        from torch.utils import cpp_extension
+
+        name = f"{ext.prefix}_{_build_tag(ext)}"
+        build_dir = Path(build_root) / "kernels" / name
+        try:
+            build_dir.mkdir(parents=True, exist_ok=True)
+            ext.module = cpp_extension.load(name=name, sources=[str(ext.source)],
+                                            build_directory=str(build_dir), extra_cflags=ext.cflags,
+                                            extra_ldflags=_LDFLAGS, verbose=False)
+        except (RuntimeError, OSError, ImportError) as e:
+            ext.error = KernelBuildError(f"could not build {ext.source.name} in {build_dir}: {e}")
+            raise ext.error from e
+        return ext.module
+
+
 def load_cpu_kernels(build_root: str | Path) -> ModuleType:
-    """Compile (first time, about a minute) or load the extension under ``build_root``.
+    """Compile (first time, about a minute) or load the batch-invariant kernels under ``build_root``.
 
     Raises:
         KernelBuildError: when compilation fails; the message says why.
     """
-    global _module
-    with _lock:
-        if _module is not None:
-            return _module
-        from torch.utils import cpp_extension
+    return _load(_ROWS, build_root)
 
-        name = f"kvgate_cpu_{_cpu_tag()}"
-        build_dir = Path(build_root) / "kernels" / name
-        build_dir.mkdir(parents=True, exist_ok=True)
-        try:
-            _module = cpp_extension.load(name=name, sources=[str(_SOURCE)], build_directory=str(build_dir),
-                                         extra_cflags=_CFLAGS, extra_ldflags=_LDFLAGS,
-                                         verbose=False)
-        except (RuntimeError, OSError, ImportError) as e:
-            raise KernelBuildError(f"could not build the C++ CPU kernels in {build_dir}: {e}") from e
-        return _module
+
+def load_decode_kernel(build_root: str | Path) -> ModuleType:
+    """Compile (first time, about a minute) or load the fused decode-attention kernel under ``build_root``.
+
+    Raises:
+        KernelBuildError: when compilation fails (also on later calls, without retrying).
+    """
+    return _load(_DECODE, build_root)
+
+
+def decode_kernel_loaded() -> bool:
+    """Whether ``paged_decode_attention`` is ready in this process."""
+    return _DECODE.module is not None
 
 
 def paged_attention_rows(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -77,6 +116,29 @@ def paged_attention_rows(query: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     Returns:
         [R, num_heads, head_dim].
     """
-    if _module is None:
+    if _ROWS.module is None:
         raise RuntimeError("the C++ CPU kernels are not loaded: call load_cpu_kernels first")
-    return _module.paged_attention_rows(query, k_cache, v_cache, block_tables, row_seq, row_ctx, scale)
+    return _ROWS.module.paged_attention_rows(query, k_cache, v_cache, block_tables, row_seq, row_ctx, scale)
+
+
+def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor,
+                           scale: float) -> torch.Tensor:
+    """One decode token per row over its paged context, fused (see csrc/paged_decode_attention.cpp).
+
+    Args:
+        query: [B, num_heads, head_dim] float32 or bfloat16.
+        k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], float32 or bfloat16.
+        block_tables: [B, max_blocks] int64; entries past a row's context are never read.
+        context_lens: [B] int64, keys each row attends to (at least 1).
+        scale: softmax scale.
+
+    Returns:
+        [B, num_heads, head_dim] in the query's dtype (float32 accumulation).
+
+    Raises:
+        RuntimeError: the kernel is not loaded, or a shape, dtype, length or block id is out of range.
+    """
+    if _DECODE.module is None:
+        raise RuntimeError("the fused decode kernel is not loaded: call load_decode_kernel first")
+    return _DECODE.module.paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, scale)

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_ext import paged_attention_rows
+from kernels.cpu_ext import decode_kernel_loaded, paged_attention_rows, paged_decode_attention
 
 
 @dataclass(slots=True)
@@ -63,9 +63,11 @@ class AttentionMetadata:
         | d0 d1 ... d{D-1} | p0 p0 p0 ... | p1 p1 ... |
           one token each     span 0         span 1
 
-    ``slot_mapping[t]`` is where token t's K/V are written. Decode rows come in groups of similar context
-    length; each group gathers whole blocks (contiguous block_size x heads x dim chunks, far cheaper than
-    per-token gathers) and masks the padding.
+    ``slot_mapping[t]`` is where token t's K/V are written. On the CPU the fused C++ kernel reads every
+    decode row's blocks in place (``decode_rows``: all rows' tables and context lengths, derived from the
+    groups once per step and shared by the layers). Elsewhere decode rows come in groups of similar
+    context length; each group gathers whole blocks (contiguous block_size x heads x dim chunks, far
+    cheaper than per-token gathers) and masks the padding.
     """
 
     slot_mapping: torch.Tensor  # [T] int64
@@ -74,6 +76,7 @@ class AttentionMetadata:
     prefills: list[PrefillSpan]
     invariant: InvariantRows | None = None
     linear_plan: Any = None  # engine.determinism.TilePlan | TritonPlan (batch-invariant steps)
+    decode_rows: tuple[torch.Tensor, torch.Tensor] | None = None  # [D, max_blocks], [D] int64; on first use
 
 
 _workspace: dict[tuple, torch.Tensor] = {}
@@ -112,6 +115,44 @@ def _decode_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     return out  # [g, Hkv, G, Dh]
 
 
+def _decode_rows(meta: AttentionMetadata, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every decode row's block table (padded with block 0, never read) and context length."""
+    if meta.decode_rows is None:
+        groups = meta.decode_groups
+        width = max(g.block_tables.shape[1] for g in groups)
+        tables = torch.cat([F.pad(g.block_tables, (0, width - g.block_tables.shape[1])) for g in groups])
+        # a group's mask is True on the first ctx_len slots of each row; no mask: every row fills nb blocks
+        lens = torch.cat([g.mask[:, 0, 0].sum(-1) if g.mask is not None else
+                          torch.full((g.end - g.start,), g.block_tables.shape[1] * block_size,
+                                     dtype=torch.long, device=g.block_tables.device) for g in groups])
+        meta.decode_rows = (tables, lens)
+    return meta.decode_rows
+
+
+def _can_fuse_decode(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    fusable = (torch.float32, torch.bfloat16)
+    return (k_cache.device.type == "cpu" and k_cache.dtype in fusable and query.dtype in fusable
+            and decode_kernel_loaded())
+
+
+def _decode_torch(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                  scale: float, out: torch.Tensor) -> None:
+    """Decode rows group by group: gather, then per-KV-head bmm/softmax/bmm (CUDA, and the CPU fallback)."""
+    num_heads, head_dim = query.shape[1:]
+    num_kv_heads = k_cache.shape[-2]
+    for dg in meta.decode_groups:
+        q = query[dg.start:dg.end].view(dg.end - dg.start, num_kv_heads, num_heads // num_kv_heads, head_dim)
+        out[dg.start:dg.end] = _decode_group(q, k_cache, v_cache, dg, scale).reshape(-1, num_heads, head_dim)
+
+
+def _decode_fused(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                  scale: float, out: torch.Tensor) -> None:
+    """All decode rows in one call of the C++ kernel, K/V read in place."""
+    tables, lens = _decode_rows(meta, k_cache.shape[1])
+    n = meta.num_decode_tokens
+    out[:n] = paged_decode_attention(query[:n], k_cache, v_cache, tables, lens, scale)
+
+
 def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     num_kv_heads, head_dim = cache.shape[-2:]
     return cache.view(-1, num_kv_heads, head_dim)[slots]
@@ -122,8 +163,9 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     """Attention of every batch token over its sequence's cached context.
 
     Args:
-        query: [T, num_heads, head_dim], RoPE applied. The cache may hold a wider dtype than the
-            query (float32 K/V under a bfloat16 model on the CPU); attention runs in the cache's dtype.
+        query: [T, num_heads, head_dim], RoPE applied. The cache may hold another dtype than the query
+            (float32 K/V under a bfloat16 model); the fused CPU decode kernel accumulates in float32,
+            the torch paths run in the cache's dtype.
         k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], this step's K/V already stored.
         meta: the step's layout.
         scale: softmax scale, usually head_dim ** -0.5.
@@ -132,12 +174,11 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         [T, num_heads * head_dim].
     """
     num_tokens, num_heads, head_dim = query.shape
-    num_kv_heads = k_cache.shape[-2]
-    group = num_heads // num_kv_heads
+    group = num_heads // k_cache.shape[-2]
     out = torch.empty(query.shape, dtype=k_cache.dtype, device=query.device)
-    for dg in meta.decode_groups:
-        q = query[dg.start:dg.end].view(dg.end - dg.start, num_kv_heads, group, head_dim)
-        out[dg.start:dg.end] = _decode_group(q, k_cache, v_cache, dg, scale).reshape(-1, num_heads, head_dim)
+    if meta.decode_groups:
+        decode = _decode_fused if _can_fuse_decode(query, k_cache) else _decode_torch
+        decode(query, k_cache, v_cache, meta, scale, out)
     for span in meta.prefills:
         s, n = span.q_start, span.q_len
         q = query[s:s + n].transpose(0, 1).unsqueeze(0).to(k_cache.dtype)  # [1, H, n, Dh]

@@ -41,3 +41,20 @@ def ref_paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
             scores = (kh @ query[i, h].float()) * scale
             out[i, h] = torch.softmax(scores, dim=0) @ vh
     return out
+
+
+def ref_paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                               block_tables: list[list[int]], context_lens: list[int],
+                               scale: float) -> torch.Tensor:
+    """One decode token per row: row b attends to keys [0, context_lens[b]) of ``block_tables[b]``.
+
+    Args:
+        query: [B, num_heads, head_dim].
+        block_tables: each row's block ids, in order (entries past the context are ignored).
+
+    Returns:
+        [B, num_heads, head_dim] in float32.
+    """
+    rows = [ref_paged_attention(query[b:b + 1], k_cache, v_cache, block_tables[b], context_lens[b], scale)
+            for b in range(query.shape[0])]
+    return torch.cat(rows) if rows else torch.empty(query.shape, dtype=torch.float32)

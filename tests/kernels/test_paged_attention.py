@@ -2,11 +2,28 @@
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 
-from kernels import AttentionMetadata, DecodeGroup, PrefillSpan, paged_attention, store_kv
+from engine.setup import default_cache_dir
+from kernels import AttentionMetadata, DecodeGroup, PrefillSpan, load_decode_kernel, paged_attention, store_kv
 from kernels.reference import ref_paged_attention, ref_store_kv
+
+TOL = {torch.float32: {"atol": 1e-5, "rtol": 1e-5}, torch.bfloat16: {"atol": 1e-2, "rtol": 1e-2}}
+
+
+@pytest.fixture(params=["fused", "torch"])
+def decode_path(request, monkeypatch) -> str:
+    """Decode rows through the fused C++ kernel, or the torch path it falls back to without one."""
+    if request.param == "fused":
+        load_decode_kernel(default_cache_dir())
+    else:
+        # the module, not the function of the same name that kernels/__init__ exports
+        module = importlib.import_module("kernels.paged_attention")
+        monkeypatch.setattr(module, "decode_kernel_loaded", lambda: False)
+    return request.param
 
 
 def _setup(num_heads, num_kv_heads, head_dim, num_blocks, block_size, lens, seed=0):
@@ -29,13 +46,24 @@ def _slots(table, start, end, bs):
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (8, 2), (9, 3)])
 @pytest.mark.parametrize("head_dim", [32, 64])
 @pytest.mark.parametrize("num_blocks", [40, 4096])
-def test_decode_and_prefill_match_reference(num_heads, num_kv_heads, head_dim, num_blocks):
+def test_decode_and_prefill_match_reference(num_heads, num_kv_heads, head_dim, num_blocks, decode_path):
+    _decode_and_prefill(num_heads, num_kv_heads, head_dim, num_blocks, torch.float32, decode_path)
+
+
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (9, 3)])
+def test_bfloat16_cache_decode_and_prefill_match_reference(num_heads, num_kv_heads, decode_path):
+    """A bfloat16 model's cache: decode rows (either path) and the prefill's SDPA over gathered slots."""
+    _decode_and_prefill(num_heads, num_kv_heads, 64, 40, torch.bfloat16, decode_path)
+
+
+def _decode_and_prefill(num_heads, num_kv_heads, head_dim, num_blocks, dtype, decode_path):
     bs = 16
     decode_lens, prefill = [1, 17, 33, 70], (50, 20)  # (context, new tokens) of a chunk after a prefix
     lens = decode_lens + [prefill[0]]
     k_cache, v_cache, tables = _setup(num_heads, num_kv_heads, head_dim, num_blocks, bs, lens)
+    k_cache, v_cache = k_cache.to(dtype), v_cache.to(dtype)
     d, (ctx, q_len) = len(decode_lens), prefill
-    query = torch.randn(d + q_len, num_heads, head_dim)
+    query = torch.randn(d + q_len, num_heads, head_dim).to(dtype)
     nb = -(-max(decode_lens) // bs)
     table = torch.tensor([t[:nb] + [0] * (nb - len(t[:nb])) for t in tables[:d]])
     mask = (torch.arange(nb * bs)[None] < torch.tensor(decode_lens)[:, None])[:, None, None, :]
@@ -47,11 +75,13 @@ def test_decode_and_prefill_match_reference(num_heads, num_kv_heads, head_dim, n
     meta = AttentionMetadata(torch.zeros(0, dtype=torch.long), d, groups,
                              [PrefillSpan(d, q_len, ctx_slots, span_mask)])
     out = paged_attention(query, k_cache, v_cache, meta, head_dim ** -0.5).view(-1, num_heads, head_dim)
+    assert out.dtype == dtype
+    assert (meta.decode_rows is not None) == (decode_path == "fused")  # the path meant is the path taken
     for i, n in enumerate(decode_lens):
         ref = ref_paged_attention(query[i:i + 1], k_cache, v_cache, tables[i], n, head_dim ** -0.5)
-        torch.testing.assert_close(out[i:i + 1], ref, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(out[i:i + 1].float(), ref, **TOL[dtype])
     ref = ref_paged_attention(query[d:], k_cache, v_cache, tables[-1], ctx, head_dim ** -0.5)
-    torch.testing.assert_close(out[d:], ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out[d:].float(), ref, **TOL[dtype])
 
 
 def test_store_kv_matches_reference():

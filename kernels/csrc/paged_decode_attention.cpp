@@ -1,0 +1,334 @@
+// Fused paged decode attention for the CPU (the fast, non-batch-invariant path). One query token per row
+// attends to keys [0, context_len) of its sequence, read in place through the block table (no gather):
+// an online softmax makes one pass over the keys, the G query heads of a KV head share every K/V load,
+// and everything accumulates in float32 whether K/V are float32 or bfloat16. Work items are
+// (row, KV head) pairs, split over torch's intra-op threads.
+//
+// Unlike paged_attention_rows.cpp this kernel promises no bitwise result: its last bits may change with
+// the instruction set it was built for. Entries of a block table past a row's context are never read.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <numeric>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kTile = 16;  // keys per online-softmax step: one AVX-512 vector of scores
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr float kSlack = 8.f;  // how far scores may exceed the running maximum before it is raised
+
+struct Geometry {
+  int64_t num_heads, num_kv_heads, group, head_dim, block_size, max_blocks;
+};
+
+// Per-thread scratch for one work item: the G query rows, their running max / sum (l, or lane-wise lv
+// in the vector path) / output, and one tile of scores (probabilities after the softmax step).
+struct Scratch {
+  std::vector<float> q, acc, m, l, lv, s;
+  explicit Scratch(const Geometry& g)
+      : q(g.group * g.head_dim), acc(g.group * g.head_dim), m(g.group), l(g.group), lv(g.group * kTile),
+        s(g.group * kTile) {}
+};
+
+// The K and V rows of one KV head for keys [j0, j0 + n), walking the block table (one division per tile).
+// Slots are int64 all the way: a pool of more than 2^31 elements is reachable.
+template <typename T>
+inline void tile_rows(const T* k, const T* v, const int64_t* table, int64_t j0, int64_t n, int64_t kv_head,
+                      const Geometry& g, const T** k_rows, const T** v_rows) {
+  const int64_t token_stride = g.num_kv_heads * g.head_dim;
+  int64_t b = j0 / g.block_size, off = j0 % g.block_size;
+  for (int64_t t = 0; t < n; ++t) {
+    const int64_t pos = (table[b] * g.block_size + off) * token_stride + kv_head * g.head_dim;
+    k_rows[t] = k + pos;
+    v_rows[t] = v + pos;
+    if (++off == g.block_size) {
+      off = 0;
+      ++b;
+    }
+  }
+}
+
+// ---- portable path: plain loops the compiler may vectorise for whatever CPU it targets ----
+
+template <typename T>
+void tile_scalar(const T* const* k_rows, const T* const* v_rows, int64_t n, const Geometry& g, float scale,
+                 Scratch& w) {
+  const int64_t d = g.head_dim;
+  for (int64_t qi = 0; qi < g.group; ++qi) {
+    const float* q = w.q.data() + qi * d;
+    float* s = w.s.data() + qi * kTile;
+    float tile_max = kNegInf;
+    for (int64_t t = 0; t < n; ++t) {
+      float dot = 0.f;
+      for (int64_t x = 0; x < d; ++x) dot += q[x] * static_cast<float>(k_rows[t][x]);
+      s[t] = dot * scale;
+      tile_max = std::max(tile_max, s[t]);
+    }
+    float* acc = w.acc.data() + qi * d;
+    if (tile_max > w.m[qi]) {  // rescale what the earlier keys contributed to the new maximum
+      const float alpha = std::exp(w.m[qi] - tile_max);
+      w.l[qi] *= alpha;
+      for (int64_t x = 0; x < d; ++x) acc[x] *= alpha;
+      w.m[qi] = tile_max;
+    }
+    for (int64_t t = 0; t < n; ++t) {
+      const float p = std::exp(s[t] - w.m[qi]);
+      w.l[qi] += p;
+      for (int64_t x = 0; x < d; ++x) acc[x] += p * static_cast<float>(v_rows[t][x]);
+    }
+  }
+}
+
+// ---- AVX-512 path (head_dim a multiple of 16) ----
+#if defined(__AVX512F__)
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+
+inline __m512 load16(const c10::BFloat16* p) {  // bfloat16 is the high half of a float32
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+// e^x for x <= 0 (scores minus their running max): Cephes' expf range reduction and polynomial, about
+// 2 ulp; scalef gives the 2^n factor and underflows to 0 correctly.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-104.f));  // e^-104 is 0 in float32; keeps -inf out of the maths
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+// The 16 horizontal sums of d[0..16) as one vector (lane t = sum of d[t]): a transposing add tree, about
+// 45 instructions where 16 separate reductions take about 130.
+inline __m512 hsum16(const __m512* d) {
+  __m512 a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i) {  // lanes 0-7: d[2i]'s 8 partials, lanes 8-15: d[2i+1]'s
+    a[i] = _mm512_add_ps(_mm512_shuffle_f32x4(d[2 * i], d[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(d[2 * i], d[2 * i + 1], 0xEE));
+  }
+  for (int i = 0; i < 4; ++i) {  // quarter q: 4 partials of d[4i + q]
+    b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xDD));
+  }
+  for (int i = 0; i < 2; ++i) {  // quarter q: 2 partials of d[8i + q], then 2 of d[8i + 4 + q]
+    c[i] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0x44),
+                         _mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0xEE));
+  }
+  // lane 4q + j: the sum of d[4j + q]; the permutation puts the sum of d[t] in lane t
+  const __m512 r = _mm512_add_ps(_mm512_shuffle_ps(c[0], c[1], 0x88), _mm512_shuffle_ps(c[0], c[1], 0xDD));
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_ps(order, r);
+}
+
+template <typename T>
+void tile_avx512(const T* const* k_rows, const T* const* v_rows, int64_t n, const Geometry& g, float scale,
+                 Scratch& w) {
+  const int64_t d = g.head_dim;
+  const __mmask16 valid = static_cast<__mmask16>(n == kTile ? 0xFFFF : (1u << n) - 1);
+  for (int64_t qi = 0; qi < g.group; ++qi) {
+    const float* q = w.q.data() + qi * d;
+    float* s = w.s.data() + qi * kTile;
+    __m512 dots[kTile];
+    for (int64_t t = 0; t < kTile; ++t) dots[t] = _mm512_setzero_ps();
+    // Four keys at a time: four independent FMA chains share each query load. The K rows stay in L1
+    // for the other query heads of the group.
+    int64_t t = 0;
+    for (; t + 4 <= n; t += 4) {
+      __m512 d0 = dots[t], d1 = dots[t + 1], d2 = dots[t + 2], d3 = dots[t + 3];
+      for (int64_t x = 0; x < d; x += 16) {
+        const __m512 qv = _mm512_loadu_ps(q + x);
+        d0 = _mm512_fmadd_ps(qv, load16(k_rows[t] + x), d0);
+        d1 = _mm512_fmadd_ps(qv, load16(k_rows[t + 1] + x), d1);
+        d2 = _mm512_fmadd_ps(qv, load16(k_rows[t + 2] + x), d2);
+        d3 = _mm512_fmadd_ps(qv, load16(k_rows[t + 3] + x), d3);
+      }
+      dots[t] = d0, dots[t + 1] = d1, dots[t + 2] = d2, dots[t + 3] = d3;
+    }
+    for (; t < n; ++t) {
+      for (int64_t x = 0; x < d; x += 16) {
+        dots[t] = _mm512_fmadd_ps(_mm512_loadu_ps(q + x), load16(k_rows[t] + x), dots[t]);
+      }
+    }
+    const __m512 sv = _mm512_mask_mov_ps(_mm512_set1_ps(kNegInf), valid,
+                                         _mm512_mul_ps(hsum16(dots), _mm512_set1_ps(scale)));
+    float* acc = w.acc.data() + qi * d;
+    float* lv = w.lv.data() + qi * kTile;
+    // m need not be the exact running maximum, only within kSlack of it: e^(s - m) <= e^kSlack cannot
+    // overflow, and the final division cancels whatever m was. So most tiles skip the maximum's reduction
+    // and the rescale.
+    if (_mm512_cmp_ps_mask(sv, _mm512_set1_ps(w.m[qi] + kSlack), _CMP_GT_OQ)) {
+      const float tile_max = _mm512_reduce_max_ps(sv);
+      const __m512 a = _mm512_set1_ps(std::exp(w.m[qi] - tile_max));
+      _mm512_storeu_ps(lv, _mm512_mul_ps(a, _mm512_loadu_ps(lv)));
+      for (int64_t x = 0; x < d; x += 16) _mm512_storeu_ps(acc + x, _mm512_mul_ps(a, _mm512_loadu_ps(acc + x)));
+      w.m[qi] = tile_max;
+    }
+    const __m512 p = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(sv, _mm512_set1_ps(w.m[qi]))));
+    _mm512_storeu_ps(lv, _mm512_add_ps(_mm512_loadu_ps(lv), p));  // lane-wise sums, added up at the end
+    _mm512_storeu_ps(s, p);
+    for (int64_t x = 0; x < d; x += 16) {  // four chains: the FMA latency no output vector waits on
+      __m512 a0 = _mm512_loadu_ps(acc + x), a1 = _mm512_setzero_ps(), a2 = a1, a3 = a1;
+      t = 0;
+      for (; t + 4 <= n; t += 4) {
+        a0 = _mm512_fmadd_ps(_mm512_set1_ps(s[t]), load16(v_rows[t] + x), a0);
+        a1 = _mm512_fmadd_ps(_mm512_set1_ps(s[t + 1]), load16(v_rows[t + 1] + x), a1);
+        a2 = _mm512_fmadd_ps(_mm512_set1_ps(s[t + 2]), load16(v_rows[t + 2] + x), a2);
+        a3 = _mm512_fmadd_ps(_mm512_set1_ps(s[t + 3]), load16(v_rows[t + 3] + x), a3);
+      }
+      for (; t < n; ++t) a0 = _mm512_fmadd_ps(_mm512_set1_ps(s[t]), load16(v_rows[t] + x), a0);
+      _mm512_storeu_ps(acc + x, _mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+    }
+  }
+}
+
+#endif  // __AVX512F__
+
+// One row and one KV head: its G query heads attend to keys [0, ctx) in tiles of kTile keys.
+template <typename KV, typename Q>
+void attend(const Q* query, const KV* k, const KV* v, const int64_t* table, int64_t ctx, int64_t kv_head,
+            const Geometry& g, float scale, Q* out, Scratch& w) {
+  const int64_t d = g.head_dim, first = kv_head * g.group * d;
+  for (int64_t i = 0; i < g.group * d; ++i) w.q[i] = static_cast<float>(query[first + i]);
+  std::fill(w.acc.begin(), w.acc.end(), 0.f);
+  std::fill(w.m.begin(), w.m.end(), kNegInf);
+  std::fill(w.l.begin(), w.l.end(), 0.f);
+  std::fill(w.lv.begin(), w.lv.end(), 0.f);
+  const KV* k_rows[kTile];
+  const KV* v_rows[kTile];
+  for (int64_t j0 = 0; j0 < ctx; j0 += kTile) {
+    const int64_t n = std::min(kTile, ctx - j0);
+    tile_rows(k, v, table, j0, n, kv_head, g, k_rows, v_rows);
+#if defined(__AVX512F__)
+    if (d % 16 == 0) {
+      tile_avx512(k_rows, v_rows, n, g, scale, w);
+      continue;
+    }
+#endif
+    tile_scalar(k_rows, v_rows, n, g, scale, w);
+  }
+  for (int64_t qi = 0; qi < g.group; ++qi) {
+    const float* lv = w.lv.data() + qi * kTile;
+    const float inv = 1.f / std::accumulate(lv, lv + kTile, w.l[qi]);
+    for (int64_t x = 0; x < d; ++x) out[first + qi * d + x] = static_cast<Q>(w.acc[qi * d + x] * inv);
+  }
+}
+
+template <typename KV, typename Q>
+void run(const torch::Tensor& query, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+         const int64_t* tables, const int64_t* ctx, const Geometry& g, float scale, torch::Tensor& out) {
+  const Q* q = query.data_ptr<Q>();
+  const KV* k = k_cache.data_ptr<KV>();
+  const KV* v = v_cache.data_ptr<KV>();
+  Q* o = out.data_ptr<Q>();
+  const int64_t row_stride = g.num_heads * g.head_dim;
+  at::parallel_for(0, query.size(0) * g.num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    Scratch w(g);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t r = item / g.num_kv_heads, h = item % g.num_kv_heads;
+      attend(q + r * row_stride, k, v, tables + r * g.max_blocks, ctx[r], h, g, scale, o + r * row_stride, w);
+    }
+  });
+}
+
+template <typename KV>
+void run_for_query(const torch::Tensor& query, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                   const int64_t* tables, const int64_t* ctx, const Geometry& g, float scale,
+                   torch::Tensor& out) {
+  if (query.scalar_type() == torch::kFloat32) {
+    run<KV, float>(query, k_cache, v_cache, tables, ctx, g, scale, out);
+  } else {
+    run<KV, c10::BFloat16>(query, k_cache, v_cache, tables, ctx, g, scale, out);
+  }
+}
+
+bool is_supported(const torch::Tensor& t) {
+  return t.scalar_type() == torch::kFloat32 || t.scalar_type() == torch::kBFloat16;
+}
+
+// Every table entry a row reads must name a block of the pool: a bad table is an error, never a stray read.
+void check_tables(const int64_t* tables, const int64_t* ctx, int64_t rows, const Geometry& g,
+                  int64_t num_blocks) {
+  for (int64_t r = 0; r < rows; ++r) {
+    TORCH_CHECK(ctx[r] >= 1 && ctx[r] <= g.max_blocks * g.block_size, "context length ", ctx[r],
+                " of row ", r, " is out of range");
+    const int64_t used = (ctx[r] + g.block_size - 1) / g.block_size;
+    for (int64_t b = 0; b < used; ++b) {
+      const int64_t id = tables[r * g.max_blocks + b];
+      TORCH_CHECK(id >= 0 && id < num_blocks, "block table entry ", id, " of row ", r, " is out of range");
+    }
+  }
+}
+
+}  // namespace
+
+// query [B, H, D] float32 or bfloat16; k_cache, v_cache [num_blocks, block_size, Hkv, D] float32 or
+// bfloat16 (both the same); block_tables [B, max_blocks] int64; context_lens [B] int64 (keys per row).
+// Returns [B, H, D] in the query's dtype.
+torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
+                                     torch::Tensor block_tables, torch::Tensor context_lens, double scale) {
+  TORCH_CHECK(query.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu() &&
+                  block_tables.device().is_cpu() && context_lens.device().is_cpu(),
+              "paged_decode_attention runs on CPU tensors");
+  TORCH_CHECK(query.dim() == 3 && k_cache.dim() == 4 && block_tables.dim() == 2 && context_lens.dim() == 1,
+              "bad ranks");
+  TORCH_CHECK(is_supported(query) && is_supported(k_cache), "query and cache must be float32 or bfloat16");
+  TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type() && v_cache.sizes() == k_cache.sizes(),
+              "k_cache and v_cache differ");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "KV cache must be contiguous");
+  TORCH_CHECK(block_tables.scalar_type() == torch::kInt64 && context_lens.scalar_type() == torch::kInt64,
+              "block_tables and context_lens must be int64");
+  const int64_t rows = query.size(0);
+  TORCH_CHECK(block_tables.size(0) == rows && context_lens.size(0) == rows, "one table and length per row");
+  query = query.contiguous();
+  block_tables = block_tables.contiguous();
+  context_lens = context_lens.contiguous();
+  const int64_t heads = query.size(1), kv_heads = k_cache.size(2);
+  TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0 && k_cache.size(3) == query.size(2), "head shapes disagree");
+  const Geometry geo{heads, kv_heads, heads / kv_heads, query.size(2), k_cache.size(1), block_tables.size(1)};
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* ctx = context_lens.data_ptr<int64_t>();
+  check_tables(tables, ctx, rows, geo, k_cache.size(0));
+  auto out = torch::empty_like(query);
+  if (rows == 0) return out;
+  const float fscale = static_cast<float>(scale);
+  if (k_cache.scalar_type() == torch::kFloat32) {
+    run_for_query<float>(query, k_cache, v_cache, tables, ctx, geo, fscale, out);
+  } else {
+    run_for_query<c10::BFloat16>(query, k_cache, v_cache, tables, ctx, geo, fscale, out);
+  }
+  return out;
+}
+
+bool built_with_avx512() {
+#if defined(__AVX512F__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  // The GIL is released: an engine thread in the gateway's process must not stall its event loop.
+  m.def("paged_decode_attention", &paged_decode_attention, "Fused paged decode attention (CPU)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("built_with_avx512", &built_with_avx512, "Whether the AVX-512 path was compiled in");
+}
