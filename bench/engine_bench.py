@@ -1,12 +1,14 @@
 """`kvgate bench engine`: our engine vs transformers (serial, static batches) vs llama.cpp, one run.
 
+llama.cpp is llama-server given the same requests at once (8 slots) and, for one user, llama-bench's pp512
+and tg128 beside ours; both are the binaries `kvgate bench build-llamacpp` builds (skipped until then).
+
 Each peer runs in its own subprocess so peak RSS is its own, with torch pinned to the same threads.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -14,7 +16,8 @@ from pathlib import Path
 from bench.isolated import PeerFailed, run_isolated
 from bench.workload import BenchRequest, percentile, standard_workload
 
-PEERS = ("kvgate", "kvgate-bf16", "hf-serial", "hf-static", "llamacpp")
+PEERS = ("kvgate", "kvgate-bf16", "hf-serial", "hf-static", "llamacpp-server", "kvgate-1user",
+         "llamacpp-bench")
 
 
 def _peak_rss_mib() -> float:
@@ -119,25 +122,58 @@ def run_hf_static(reqs: list[BenchRequest], batch: int = 16) -> dict:
     return _result("transformers static batch 16 (float32)", reqs, time.monotonic() - t0, ttfts)
 
 
-def run_llamacpp(reqs: list[BenchRequest]) -> dict:
-    try:
-        from llama_cpp import Llama
-    except ImportError:
-        return {"peer": "llama.cpp (Q4_1)",
-                "skipped": "llama-cpp-python not installed (pip install '.[peers]')"}
-    from engine.loader import find_default_gguf
+def run_llamacpp_server(reqs: list[BenchRequest], num_slots: int = 8) -> dict:
+    """llama-server (``num_slots`` slots, all cores) given every request at once over HTTP: the same token
+    ids, greedy, exactly max_new_tokens each (ignore_eos); tokens are what its usage reports."""
+    import asyncio
+    import tempfile
 
-    llm = Llama(model_path=str(find_default_gguf()), n_ctx=1024, n_threads=os.cpu_count(), verbose=False)
-    t0, ttfts = time.monotonic(), []
-    for r in reqs:
-        first = None
-        for _ in llm.generate(r.prompt_ids, temp=0.0, top_k=1, reset=True):
-            first = first or time.monotonic()
-            break
-        llm.reset()
-        llm.create_completion(r.prompt_ids, max_tokens=r.max_new_tokens, temperature=0.0, top_k=1)
-        ttfts.append(first - t0)
-    return _result("llama.cpp one at a time (Q4_1)", reqs, time.monotonic() - t0, ttfts)
+    import httpx
+
+    from bench import llamacpp
+    from bench.serve_bench import ctx_per_slot
+    from bench.stream_client import Prompt, build_body, run_requests, summarize
+
+    binary = llamacpp.find_binary("llama-server")
+    if binary is None:
+        return {"peer": "llama-server (Q4_1)", "skipped": llamacpp.missing_reason("llama-server")}
+    prompts = [Prompt(tuple(r.prompt_ids), "", r.max_new_tokens) for r in reqs]
+    bodies = [build_body("llama.cpp", "completions", "default", p, 0.0, 0) for p in prompts]
+
+    async def run(base_url: str):
+        async with httpx.AsyncClient(base_url=base_url, timeout=600.0,
+                                     limits=httpx.Limits(max_connections=len(bodies) + 4)) as client:
+            await run_requests(client, "/v1/completions", bodies[:1], "completions", False, 600.0)  # warm-up
+            return await run_requests(client, "/v1/completions", bodies, "completions", True, 3600.0)
+
+    with tempfile.TemporaryDirectory(prefix="llama-server-") as tmp:
+        server = llamacpp.LlamaServer(binary, llamacpp.default_gguf(), Path(tmp) / "log", num_slots,
+                                      ctx_per_slot(prompts)).start()
+        try:
+            results, wall = asyncio.run(run(server.base_url))
+            rss = server.peak_rss_mib()
+        finally:
+            server.stop()
+    s = summarize("llama.cpp", "offline", results, wall)
+    return {"peer": f"llama-server {num_slots} slots (Q4_1, {server.threads} threads)", "requests": len(reqs),
+            "generated_tokens": s.num_generated, "prompt_tokens": sum(len(r.prompt_ids) for r in reqs),
+            "wall_s": wall, "tokens_per_s": s.tokens_per_s, "ttft_p50_s": s.ttft_p50_s,
+            "ttft_p99_s": s.ttft_p99_s, "peak_rss_mib": rss, "tokens_check": s.check}
+
+
+def run_llamacpp_bench(num_prompt: int = 512, num_gen: int = 128) -> dict:
+    """llama-bench pp``num_prompt`` and tg``num_gen`` on every physical core: the one-user figures."""
+    from bench import llamacpp
+    from engine.setup import physical_cores
+
+    binary = llamacpp.find_binary("llama-bench")
+    if binary is None:
+        return {"peer": "llama-bench (Q4_1)", "skipped": llamacpp.missing_reason("llama-bench")}
+    threads = physical_cores()
+    figures = llamacpp.run_llama_bench(binary, llamacpp.default_gguf(), threads, num_prompt, num_gen)
+    return {"peer": f"llama-bench (Q4_1, {threads} threads)", "one_user": True, "pp": num_prompt,
+            "tg": num_gen, "pp_tokens_per_s": figures[f"pp{num_prompt}"],
+            "tg_tokens_per_s": figures[f"tg{num_gen}"]}
 
 
 def run_peer(peer: str, num_requests: int, hf_requests: int, seed: int) -> dict:
@@ -154,24 +190,53 @@ def run_peer(peer: str, num_requests: int, hf_requests: int, seed: int) -> dict:
         return run_hf_serial(reqs[:hf_requests])
     if peer == "hf-static":
         return run_hf_static(reqs[:max(hf_requests, 16)])
-    if peer == "llamacpp":
-        return run_llamacpp(reqs)
+    if peer == "llamacpp-server":
+        return run_llamacpp_server(reqs)
+    if peer == "kvgate-1user":
+        from bench.one_user import run_kvgate_one_user
+
+        return run_kvgate_one_user("float32", load_tokenizer(resolve_model_dir(None)))
+    if peer == "llamacpp-bench":
+        return run_llamacpp_bench()
     raise ValueError(f"unknown peer {peer!r}; known: {PEERS}")
 
 
 def format_table(results: list[dict]) -> str:
+    """The offline rows, then (if any) the one-user rows: llama-bench's pp/tg and ours."""
     rows = ["| peer | requests | gen tokens | tok/s | TTFT p50 (s) | TTFT p99 (s) | peak RSS (MiB) "
             "| KV tokens held |",
             "|---|---:|---:|---:|---:|---:|---:|---|"]
-    for r in results:
+    for r in (r for r in results if not r.get("one_user")):
         if "skipped" in r:
             rows.append(f"| {r['peer']} | skipped: {r['skipped']} |||||||")
             continue
         kv = (f"{r['kv_tokens_peak']} peak vs {r['kv_tokens_contiguous']} contiguous"
               if "kv_tokens_peak" in r else "n/a")
-        rows.append(f"| {r['peer']} | {r['requests']} | {r['generated_tokens']} | {r['tokens_per_s']:.1f} | "
-                    f"{r['ttft_p50_s']:.2f} | {r['ttft_p99_s']:.2f} | {r['peak_rss_mib']:.0f} | {kv} |")
+        check = "" if r.get("tokens_check", "ok") == "ok" else f" ({r['tokens_check']})"
+        rss = "n/a" if r.get("peak_rss_mib") is None else f"{r['peak_rss_mib']:.0f}"
+        rows.append(f"| {r['peer']} | {r['requests']} | {r['generated_tokens']} | "
+                    f"{r['tokens_per_s']:.1f}{check} | {r['ttft_p50_s']:.2f} | {r['ttft_p99_s']:.2f} | "
+                    f"{rss} | {kv} |")
+    one_user = [r for r in results if r.get("one_user")]
+    if one_user:
+        rows += ["", "| one user | prompt processing tok/s | decode tok/s |", "|---|---:|---:|"]
+    for r in one_user:
+        if "skipped" in r:
+            rows.append(f"| {r['peer']} | skipped: {r['skipped']} ||")
+            continue
+        rows.append(f"| {r['peer']} | pp{r['pp']}: {r['pp_tokens_per_s']:.1f} | "
+                    f"tg{r['tg']}: {r['tg_tokens_per_s']:.1f} |")
     return "\n".join(rows)
+
+
+def one_user_ratios(results: list[dict]) -> dict[str, float]:
+    """kvgate's one-user pp and tg tokens/s over llama-bench's (empty unless both ran)."""
+    done = [r for r in results if r.get("one_user") and "skipped" not in r]
+    ours = next((r for r in done if r["peer"].startswith("kvgate")), None)
+    theirs = next((r for r in done if r["peer"].startswith("llama-bench")), None)
+    if ours is None or theirs is None:
+        return {}
+    return {k: ours[f"{k}_tokens_per_s"] / theirs[f"{k}_tokens_per_s"] for k in ("pp", "tg")}
 
 
 def run_in_subprocess(module: str, peer: str, *args: object) -> dict:
@@ -192,11 +257,15 @@ def run_engine_bench(num_requests: int, peers: list[str], hf_requests: int, out:
     ours = next((r for k, r in base.items() if k.startswith("kvgate (bfloat16")), None) or \
         next((r for k, r in base.items() if k.startswith("kvgate")), None)
     ratios = {k: ours["tokens_per_s"] / r["tokens_per_s"] for k, r in base.items()} if ours else {}
+    one_user = one_user_ratios(results)
     Path(out).parent.mkdir(parents=True, exist_ok=True)
-    Path(out).write_text(json.dumps({"results": results, "throughput_ratio_vs_peer": ratios}, indent=2))
+    Path(out).write_text(json.dumps({"results": results, "throughput_ratio_vs_peer": ratios,
+                                     "one_user_ratio_vs_llama_bench": one_user}, indent=2))
     print(format_table(results))
     for k, v in ratios.items():
         print(f"{ours['peer']} / {k}: {v:.2f}x throughput")
+    for k, v in one_user.items():
+        print(f"kvgate one user / llama-bench: {v:.2f}x {k} tokens/s")
     print(f"JSON: {out}")
     return results
 

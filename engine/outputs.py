@@ -18,11 +18,12 @@ from engine.request import (
 class _SampleText:
     """Text state of one sample: incremental decoder plus what was last handed out."""
 
-    __slots__ = ("detok", "text", "sent_tokens", "sent_text", "token_hash")
+    __slots__ = ("detok", "text", "sent_tokens", "sent_text", "token_hash", "stop_floor")
 
     def __init__(self, detok: IncrementalDetokenizer) -> None:
         self.detok = detok
         self.text = ""
+        self.stop_floor = 0  # a stop string must end past this much text (what came before min_tokens)
         self.sent_tokens = 0
         self.sent_text = 0
         self.token_hash: str | None = None  # the finished sample's receipt, hashed once
@@ -59,12 +60,16 @@ class RequestState:
         if logprobs is not None:
             seq.logprobs.append(logprobs)
         sample = self.samples[seq.sample_index]
-        stop_token = token in self.params.stop_token_ids or token in self.eos
+        # Before min_tokens nothing but the length ends a sequence (vLLM's rule: the min_tokens-th can).
+        is_min_met = seq.num_output_tokens >= self.params.min_tokens
+        stop_token = is_min_met and (token in self.params.stop_token_ids or token in self.eos)
         sample.text += sample.detok.add(token, final=stop_token or seq.num_tokens >= seq.max_len)
+        if not is_min_met:
+            sample.stop_floor = len(sample.text)
         if stop_token:
             seq.stop_reason = token if token in self.params.stop_token_ids else None
             return RequestStatus.FINISHED_STOPPED
-        if self._max_stop and self._check_stop_strings(seq, sample):
+        if self._max_stop and is_min_met and self._check_stop_strings(seq, sample):
             return RequestStatus.FINISHED_STOPPED
         if seq.num_tokens >= seq.max_len:
             return RequestStatus.FINISHED_LENGTH
@@ -75,7 +80,7 @@ class RequestState:
         window_start = max(0, sample.sent_text - self._max_stop)
         best = -1
         for stop in self.params.stop:
-            idx = sample.text.find(stop, window_start)
+            idx = sample.text.find(stop, max(window_start, sample.stop_floor - len(stop) + 1))
             if idx != -1 and (best == -1 or idx < best):
                 best, seq.stop_reason = idx, stop
         if best == -1:

@@ -37,6 +37,9 @@ class SamplingParams:
         stop: Strings that end generation; the stop string is not returned.
         stop_token_ids: Token ids that end generation (returned in ``token_ids``).
         ignore_eos: Keep generating past the end-of-sequence token.
+        min_tokens: Generate at least this many tokens (at most ``max_tokens``): until then the
+            end-of-sequence token, ``stop_token_ids`` and ``stop`` strings do not end the sequence (a
+            token that would have is kept in ``token_ids``, as with ``ignore_eos``).
         logprobs: Return the top-N log-probabilities per generated token (0 = only the chosen one).
         skip_special_tokens: Leave special tokens out of ``text``.
         determinism: ``fast``, ``fixed`` or ``batch_invariant``; ``None`` takes the engine's default.
@@ -51,6 +54,7 @@ class SamplingParams:
     stop: list[str] | str | None = None
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    min_tokens: int = 0
     logprobs: int | None = None
     skip_special_tokens: bool = True
     determinism: str | None = None
@@ -59,6 +63,8 @@ class SamplingParams:
         _check(_is_int(self.n) and 1 <= self.n <= 128, f"n must be an integer in [1, 128], got {self.n!r}")
         _check(_is_int(self.max_tokens) and self.max_tokens >= 1,
                f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        _check(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
+               f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
         _check(_is_num(self.temperature) and 0.0 <= self.temperature <= 100.0,
                f"temperature must be a finite number in [0, 100], got {self.temperature!r}")
         _check(_is_num(self.top_p) and 0.0 < self.top_p <= 1.0,

@@ -14,8 +14,12 @@ app.add_typer(bench_app, name="bench")
 @bench_app.command("engine")
 def bench_engine(
     num_requests: int = typer.Option(64, help="Requests in the standard workload"),
-    peers: str = typer.Option("kvgate,kvgate-bf16,hf-serial,hf-static,llamacpp",
-                              help="Comma list: kvgate, kvgate-bf16, hf-serial, hf-static, llamacpp"),
+    peers: str = typer.Option("kvgate,kvgate-bf16,hf-serial,hf-static,llamacpp-server,kvgate-1user,"
+                              "llamacpp-bench",
+                              help="Comma list: kvgate, kvgate-bf16, hf-serial, hf-static, llamacpp-server "
+                                   "(8 slots, the same requests at once), kvgate-1user and llamacpp-bench "
+                                   "(one user: pp512, tg128); llama.cpp peers need `kvgate bench "
+                                   "build-llamacpp`"),
     hf_requests: int = typer.Option(16, help="Requests the (slow) transformers peers run; throughput is "
                                              "per-token so a subset is comparable"),
     out: str = typer.Option("bench-results/engine.json", help="Where to write the JSON results"),
@@ -85,4 +89,49 @@ def bench_soak(
     overrides = {k: v for k, v in {"model": model, "dtype": dtype}.items() if v is not None}
     rows = run_soak(cfg, overrides, out)
     if any(r.failures or not r.is_ready_after for r in rows):
+        raise typer.Exit(1)
+
+
+@bench_app.command("build-llamacpp")
+def bench_build_llamacpp(
+    version: str = typer.Option(None, help="llama-cpp-python release whose vendored llama.cpp is built "
+                                           "(default: the one the benchmarks were last measured with)"),
+    jobs: int = typer.Option(None, help="Parallel compile jobs (default: all cores)"),
+) -> None:
+    """Build llama.cpp's llama-server and llama-bench into $KVGATE_CACHE/llama.cpp/VERSION/bin (about
+    11 minutes on 2 cores; scripts/build_llama_cpp.sh does the work). Needs cmake and a C++ compiler."""
+    from bench.llamacpp import LLAMA_CPP_PYTHON_VERSION, build
+
+    raise typer.Exit(build(version or LLAMA_CPP_PYTHON_VERSION, jobs))
+
+
+@bench_app.command("serve")
+def bench_serve(
+    num_requests: int = typer.Option(32, help="Requests of the standard workload sent all at once"),
+    num_serial: int = typer.Option(4, help="Requests sent one at a time"),
+    temperatures: str = typer.Option("0,1", help="Comma list; 0 is greedy; each is a pair of scenarios"),
+    endpoint: str = typer.Option("completions", help="completions (the same token ids to both servers) or "
+                                                     "chat (the same text, each server's chat template)"),
+    servers: str = typer.Option("kvgate,llama.cpp", help="Comma list: kvgate, llama.cpp"),
+    num_slots: int = typer.Option(8, help="llama-server's parallel slots (-np)"),
+    model: str = typer.Option(None, help="kvgate's model (default: its default, the GGUF below converted)"),
+    gguf: str = typer.Option(None, help="llama-server's model (default: the default model's Q4_1 GGUF)"),
+    out: str = typer.Option("bench-results/serve.json", help="Where to write the JSON results"),
+    seed: int = typer.Option(0),
+) -> None:
+    """`kvgate serve` (as `make serve` starts it, over HTTPS with a tenant key) beside llama-server (HTTP,
+    8 slots, all cores), the same streamed requests to each; every request generates exactly max_tokens
+    (ignore_eos). Exits 1 when a row is flagged: a server did not generate the requested tokens."""
+    from pathlib import Path
+
+    from bench.serve_bench import ServeBenchConfig, run_serve_bench
+
+    if endpoint not in ("completions", "chat"):
+        raise typer.BadParameter("must be completions or chat", param_hint="--endpoint")
+    cfg = ServeBenchConfig(num_requests=num_requests, num_serial=num_serial, num_slots=num_slots,
+                           temperatures=tuple(float(t) for t in temperatures.split(",")),
+                           endpoint=endpoint, seed=seed)  # type: ignore[arg-type]
+    report = run_serve_bench(cfg, out, tuple(servers.split(",")), {"model": model} if model else {},
+                             Path(gguf) if gguf else None)
+    if any(r["num_off"] for r in report["rows"]):
         raise typer.Exit(1)

@@ -42,6 +42,18 @@ _Stop = Annotated[str, Field(min_length=1, max_length=256)]
 
 
 class _SamplingFields(_Strict):
+    """Fields both endpoints share. Beyond OpenAI's, three extensions as vLLM has them:
+
+    Attributes:
+        top_k: Sample from the k most likely tokens only; 0 or -1 disables.
+        ignore_eos: Keep generating past the end-of-sequence token, up to ``max_tokens`` (benchmarks use
+            it to generate an exact number of tokens).
+        min_tokens: Generate at least this many tokens: until then neither the end-of-sequence token nor a
+            ``stop`` string ends the completion. At most ``max_tokens`` (or, when that is unset, the room
+            the context leaves after the prompt); more is a 400 with ``param`` ``min_tokens``.
+        determinism: ``fast``, ``fixed`` or ``batch_invariant``, checked against the tenant's policy.
+    """
+
     model: str = Field(min_length=1, max_length=256)
     n: int = Field(default=1, ge=1, le=8)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
@@ -54,6 +66,8 @@ class _SamplingFields(_Strict):
     frequency_penalty: float = Field(default=0.0, ge=0.0, le=0.0)
     presence_penalty: float = Field(default=0.0, ge=0.0, le=0.0)
     user: str | None = Field(default=None, max_length=256)
+    ignore_eos: bool = False  # extension
+    min_tokens: int = Field(default=0, ge=0, le=2**31 - 1)  # extension; at most max_tokens (admission)
     determinism: Determinism | None = None  # extension; validated against the tenant's policy
 
     @model_validator(mode="after")

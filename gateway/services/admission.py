@@ -88,6 +88,13 @@ def _seed(req: ChatCompletionRequest | CompletionRequest) -> int | None:
 
 
 def _sampling_params(req: ChatCompletionRequest | CompletionRequest, decision: Decision) -> SamplingParams:
+    if req.min_tokens > decision.max_tokens:
+        limit = "max_tokens" if req.requested_max_tokens is not None else "the room the prompt leaves"
+        raise InvalidRequest(
+            f"min_tokens is {req.min_tokens}; it must not exceed {limit} ({decision.max_tokens}).",
+            code="invalid_value",
+            param="min_tokens",
+        )
     try:
         return SamplingParams(
             n=req.n,
@@ -97,6 +104,8 @@ def _sampling_params(req: ChatCompletionRequest | CompletionRequest, decision: D
             top_k=req.top_k,
             seed=_seed(req),
             stop=req.stop_list or None,
+            ignore_eos=req.ignore_eos,
+            min_tokens=req.min_tokens,
             logprobs=req.num_logprobs,
             determinism=decision.determinism,
         )
