@@ -155,7 +155,8 @@ def test_the_first_command_on_a_new_machine_makes_the_data_dir_private(tmp_path:
     code = "import os; os.umask(0o022); from gateway.cli import app; app()"
     env = os.environ | {"KVGATE_DATA_DIR": str(data_dir)}
     if command[0] == "admin":
-        subprocess.run([sys.executable, "-c", code, "db", "upgrade"], env=env, check=True, capture_output=True)
+        upgrade = [sys.executable, "-c", code, "db", "upgrade"]
+        subprocess.run(upgrade, env=env, check=True, capture_output=True)
         data_dir.chmod(0o755)
         (data_dir / "kvgate.db").chmod(0o644)
     subprocess.run([sys.executable, "-c", code, *command], env=env, check=True, capture_output=True)
