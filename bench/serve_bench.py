@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import ssl
 import tempfile
 import time
 from collections.abc import Iterable
@@ -72,27 +73,43 @@ def ctx_per_slot(prompts: Iterable[Prompt], margin: int = 64) -> int:
     return 256 * math.ceil((longest + margin) / 256)
 
 
-async def run_side(server: str, client: httpx.AsyncClient, cfg: ServeBenchConfig, scenarios: list[Scenario],
+@dataclass(frozen=True, slots=True)
+class Target:
+    """A running server as the client reaches it."""
+
+    server: str  # kvgate | llama.cpp
+    base_url: str
+    verify: ssl.SSLContext | bool = False
+    headers: tuple[tuple[str, str], ...] = ()
+
+    def client(self, cfg: ServeBenchConfig) -> httpx.AsyncClient:
+        return httpx.AsyncClient(base_url=self.base_url, verify=self.verify, headers=dict(self.headers),
+                                 timeout=httpx.Timeout(600.0),
+                                 limits=httpx.Limits(max_connections=cfg.num_requests + 4))
+
+
+async def run_side(target: Target, cfg: ServeBenchConfig, scenarios: list[Scenario],
                    warmup: Prompt) -> list[Summary]:
-    """One server, every scenario in turn after one warm-up request; prints each row as it is done."""
-    model = (await client.get("/v1/models")).json()["data"][0]["id"]
+    """One server, every scenario in turn after one warm-up request; prints each row as it is done.
+
+    Each scenario has a client of its own: a connection left idle through the previous scenario may be
+    one the server has closed (llama-server keeps idle ones 5 s), and reusing it fails the request.
+    """
     path = "/v1/chat/completions" if cfg.endpoint == "chat" else "/v1/completions"
-    await run_requests(client, path, [build_body(server, cfg.endpoint, model, warmup, 0.0, 0)], cfg.endpoint,
-                       False, cfg.deadline_s)
+    async with target.client(cfg) as client:
+        model = (await client.get("/v1/models")).json()["data"][0]["id"]
+        await run_requests(client, path, [build_body(target.server, cfg.endpoint, model, warmup, 0.0, 0)],
+                           cfg.endpoint, False, cfg.deadline_s)
     out = []
     for sc in scenarios:
-        bodies = [build_body(server, cfg.endpoint, model, p, sc.temperature, cfg.seed + i)
+        bodies = [build_body(target.server, cfg.endpoint, model, p, sc.temperature, cfg.seed + i)
                   for i, p in enumerate(sc.prompts)]
-        results, wall = await run_requests(client, path, bodies, cfg.endpoint, sc.is_concurrent,
-                                           cfg.deadline_s)
-        out.append(summarize(server, sc.name, results, wall))
+        async with target.client(cfg) as client:
+            results, wall = await run_requests(client, path, bodies, cfg.endpoint, sc.is_concurrent,
+                                               cfg.deadline_s)
+        out.append(summarize(target.server, sc.name, results, wall))
         print(format_table([out[-1]]).splitlines()[-1], flush=True)
     return out
-
-
-def _client(base_url: str, verify, headers: dict[str, str], cfg: ServeBenchConfig) -> httpx.AsyncClient:
-    return httpx.AsyncClient(base_url=base_url, verify=verify, headers=headers, timeout=httpx.Timeout(600.0),
-                             limits=httpx.Limits(max_connections=cfg.num_requests + 4))
 
 
 def _run_kvgate(cfg: ServeBenchConfig, scenarios: list[Scenario], warmup: Prompt,
@@ -101,13 +118,9 @@ def _run_kvgate(cfg: ServeBenchConfig, scenarios: list[Scenario], warmup: Prompt
         settings = Settings(data_dir=Path(tmp), **overrides)
         _, key = asyncio.run(create_tenant_key(settings))
         server = GatewayServer(settings, ServerVariant("kvgate-serve")).start(timeout_s=600.0)
-
-        async def run() -> list[Summary]:
-            async with _client(server.base_url, server.verify, {"Authorization": f"Bearer {key}"}, cfg) as c:
-                return await run_side("kvgate", c, cfg, scenarios, warmup)
-
+        target = Target("kvgate", server.base_url, server.verify, (("Authorization", f"Bearer {key}"),))
         try:
-            return asyncio.run(run())
+            return asyncio.run(run_side(target, cfg, scenarios, warmup))
         finally:
             server.stop()
 
@@ -117,13 +130,9 @@ def _run_llama(cfg: ServeBenchConfig, scenarios: list[Scenario], warmup: Prompt,
     with tempfile.TemporaryDirectory(prefix="llama-server-bench-") as tmp:
         server = llamacpp.LlamaServer(binary, gguf, Path(tmp) / "llama-server.log", cfg.num_slots,
                                       ctx_per_slot(p for s in scenarios for p in s.prompts)).start()
-
-        async def run() -> list[Summary]:
-            async with _client(server.base_url, False, {}, cfg) as c:
-                return await run_side("llama.cpp", c, cfg, scenarios, warmup)
-
+        target = Target("llama.cpp", server.base_url)
         try:
-            return asyncio.run(run()), server.argv
+            return asyncio.run(run_side(target, cfg, scenarios, warmup)), server.argv
         finally:
             server.stop()
 

@@ -145,7 +145,8 @@ class Summary:
     def check(self) -> str:
         if self.num_off == 0:
             return "ok"
-        return f"FLAGGED: {self.num_off} of {self.num_requests} not exactly max_tokens"
+        why = f" ({'; '.join(self.errors)})" if self.errors else ""
+        return f"FLAGGED: {self.num_off} of {self.num_requests} not exactly max_tokens{why}"
 
 
 def summarize(server: str, scenario: str, results: list[RequestResult], wall_s: float) -> Summary:
