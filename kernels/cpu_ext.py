@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import platform
 import threading
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -21,6 +25,8 @@ _DECODE_CFLAGS = ["-O3", "-march=native", "-fno-fast-math", "-std=c++17", "-fope
 # honours torch.set_num_threads.
 _LDFLAGS = ["-fopenmp"]
 _lock = threading.Lock()
+# How long a process waits for another one that is building the same kernel (a build takes about a minute).
+BUILD_WAIT_S = 600.0
 
 
 class KernelBuildError(RuntimeError):
@@ -59,6 +65,35 @@ def _build_tag(ext: _Extension) -> str:
     return hashlib.sha256(material.encode()).hexdigest()[:16]
 
 
+@contextlib.contextmanager
+def _build_lock(build_dir: Path, wait_s: float) -> Iterator[None]:
+    """Hold an exclusive lock on ``build_dir`` for one build, waiting at most ``wait_s``.
+
+    torch's own build lock is a file that a killed build leaves behind, and torch then waits on it
+    forever. The operating system drops a flock when its holder dies, so whoever holds this lock is the
+    only builder alive, and a torch lock file found under it is stale and removed.
+
+    Raises:
+        KernelBuildError: another live process has held the lock for ``wait_s``.
+    """
+    deadline = time.monotonic() + wait_s
+    with open(build_dir / "kvgate.flock", "a") as fd:
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise KernelBuildError(f"another process has been building in {build_dir} for "
+                                           f"{wait_s:.0f} s; stop it or remove that directory") from None
+                time.sleep(0.2)
+        try:
+            (build_dir / "lock").unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+
+
 def _load(ext: _Extension, build_root: str | Path) -> ModuleType:
     with _lock:
         if ext.module is not None:
@@ -71,9 +106,13 @@ def _load(ext: _Extension, build_root: str | Path) -> ModuleType:
         build_dir = Path(build_root) / "kernels" / name
         try:
             build_dir.mkdir(parents=True, exist_ok=True)
-            ext.module = cpp_extension.load(name=name, sources=[str(ext.source)],
-                                            build_directory=str(build_dir), extra_cflags=ext.cflags,
-                                            extra_ldflags=_LDFLAGS, verbose=False)
+            with _build_lock(build_dir, BUILD_WAIT_S):
+                ext.module = cpp_extension.load(name=name, sources=[str(ext.source)],
+                                                build_directory=str(build_dir), extra_cflags=ext.cflags,
+                                                extra_ldflags=_LDFLAGS, verbose=False)
+        except KernelBuildError as e:
+            ext.error = e
+            raise
         except (RuntimeError, OSError, ImportError) as e:
             ext.error = KernelBuildError(f"could not build {ext.source.name} in {build_dir}: {e}")
             raise ext.error from e
