@@ -135,3 +135,25 @@ def bench_serve(
                              Path(gguf) if gguf else None)
     if any(r["num_off"] for r in report["rows"]):
         raise typer.Exit(1)
+
+
+@bench_app.command("gpu")
+def bench_gpu(
+    device: str = typer.Option("cuda", help="cuda, or cpu for a dry run"),
+    model_dir: str = typer.Option(None, help="Directory with the default model's config.json and "
+                                             "tokenizer (default: the prepared default model; its weights "
+                                             "are not read)"),
+    extra_archs: str = typer.Option("", help="Comma list of more random architectures to time (e.g. 1b)"),
+    num_requests: int = typer.Option(64, help="Requests in the standard workload"),
+    tiny: bool = typer.Option(False, help="A two-layer model and a small workload: a quick dry run"),
+    out: str = typer.Option("bench-results/gpu.json", help="Where to write the JSON results"),
+    seed: int = typer.Option(0),
+) -> None:
+    """The engine on a GPU, on seeded random weights of the default architecture: greedy agreement with
+    transformers (float32), throughput beside transformers' batched generate, decode attention bandwidth.
+    Exits 2 without a CUDA device."""
+    from bench.gpu_bench import main
+
+    argv = ["--device", device, "--extra-archs", extra_archs, "--num-requests", str(num_requests),
+            "--out", out, "--seed", str(seed)] + (["--model-dir", model_dir] if model_dir else [])
+    raise typer.Exit(main(argv + (["--tiny"] if tiny else [])))

@@ -1,0 +1,116 @@
+"""Decode attention's achieved bandwidth on one layer: kvgate's paged paths against SDPA over a cache that
+is already contiguous (the bytes every method must read at least once: each row's K and V)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from kernels import AttentionMetadata, DecodeGroup, paged_attention
+
+_GROUP = 16  # decode rows per group, as the model runner forms them
+
+
+def time_ms(fn, device: torch.device, reps: int = 20) -> float:
+    """Median milliseconds of ``fn()`` after two warm-up calls (device events on CUDA)."""
+    for _ in range(2):
+        fn()
+    times = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def copy_bandwidth_gbs(device: torch.device, nbytes: int) -> float:
+    """A device-to-device copy's GB/s counting bytes read plus written: the memory ceiling here."""
+    src = torch.randn(nbytes // 4, device=device)
+    dst = torch.empty_like(src)
+    return 2 * nbytes / time_ms(lambda: dst.copy_(src), device) / 1e6
+
+
+def _case(batch: int, ctx: int, heads: tuple[int, int, int], dtype: torch.dtype, device: torch.device,
+          block_size: int = 16):
+    """A paged cache whose rows own shuffled blocks, each row holding exactly ``ctx`` tokens."""
+    num_heads, num_kv_heads, head_dim = heads
+    nb = -(-ctx // block_size)
+    gen = torch.Generator().manual_seed(batch * 7919 + ctx)
+    total = batch * nb + 1
+    k_cache = torch.randn(total, block_size, num_kv_heads, head_dim, generator=gen).to(device, dtype)
+    v_cache = torch.randn(total, block_size, num_kv_heads, head_dim, generator=gen).to(device, dtype)
+    tables = (torch.randperm(total - 1, generator=gen)[:batch * nb] + 1).view(batch, nb).to(device)
+    q = torch.randn(batch, num_heads, head_dim, generator=gen).to(device, dtype)
+    mask = None
+    if ctx != nb * block_size:
+        mask = (torch.arange(nb * block_size, device=device) < ctx)[None, None, None, :].expand(
+            _GROUP, 1, 1, -1)
+    groups = [DecodeGroup(s, min(s + _GROUP, batch), tables[s:s + _GROUP],
+                          None if mask is None else mask[:min(_GROUP, batch - s)])
+              for s in range(0, batch, _GROUP)]
+    meta = AttentionMetadata(torch.empty(0, dtype=torch.long, device=device), batch, groups, [])
+    return q, k_cache, v_cache, tables, meta
+
+
+def _contiguous(cache: torch.Tensor, tables: torch.Tensor, ctx: int) -> torch.Tensor:
+    """[B, Hkv, ctx, D] copy of each row's context, the layout SDPA reads."""
+    batch, nb = tables.shape
+    bs, num_kv_heads, head_dim = cache.shape[1:]
+    rows = cache[tables.reshape(-1)].view(batch, nb * bs, num_kv_heads, head_dim)[:, :ctx]
+    return rows.transpose(1, 2).contiguous()
+
+
+def measure_case(batch: int, ctx: int, heads: tuple[int, int, int], dtype: torch.dtype,
+                 device: torch.device) -> dict:
+    """GB/s of each method over the K/V bytes of ``batch`` rows of ``ctx`` tokens, and how far the paged
+    results are from SDPA's."""
+    from kernels.triton_bi import paged_attention_rows_triton
+
+    q, k_cache, v_cache, tables, meta = _case(batch, ctx, heads, dtype, device)
+    scale = heads[2] ** -0.5
+    k, v = _contiguous(k_cache, tables, ctx), _contiguous(v_cache, tables, ctx)
+    qs = q[:, :, None, :]  # [B, H, 1, D]
+    seq = torch.arange(batch, device=device)
+    lens = torch.full((batch,), ctx, dtype=torch.long, device=device)
+    methods = {
+        "kvgate_torch": lambda: paged_attention(q, k_cache, v_cache, meta, scale),
+        "triton_rows": lambda: paged_attention_rows_triton(q, k_cache, v_cache, tables, seq, lens, scale),
+        "sdpa_contiguous": lambda: torch.nn.functional.scaled_dot_product_attention(
+            qs, k, v, scale=scale, enable_gqa=heads[0] != heads[1]),
+    }
+    ref = methods["sdpa_contiguous"]()[:, :, 0].float()
+    nbytes = 2 * batch * ctx * heads[1] * heads[2] * dtype.itemsize
+    row = {"batch": batch, "ctx": ctx, "kv_mib": nbytes / 2**20}
+    for name, fn in methods.items():
+        try:
+            out = fn().view(batch, heads[0], -1).float() if name != "sdpa_contiguous" else ref
+            row[f"{name}_ms"] = ms = time_ms(fn, device)
+        except Exception as e:  # noqa: BLE001 - one method's failure must not cost the others
+            row[f"{name}_error"] = f"{type(e).__name__}: {e}"
+            continue
+        row[f"{name}_gbs"] = nbytes / ms / 1e6
+        row[f"{name}_rel_err"] = float((out - ref).norm() / ref.norm())
+    return row
+
+
+def run_attention_bench(device: torch.device, heads: tuple[int, int, int], sizes: list[tuple[int, int]],
+                        dtype: torch.dtype = torch.bfloat16) -> dict:
+    """Every (batch, ctx) of ``sizes``; a failing size records its error and the rest still run."""
+    rows = []
+    for batch, ctx in sizes:
+        try:
+            rows.append(measure_case(batch, ctx, heads, dtype, device))
+        except Exception as e:  # noqa: BLE001 - one size's failure must not cost the others
+            rows.append({"batch": batch, "ctx": ctx, "error": f"{type(e).__name__}: {e}"})
+    ceiling = copy_bandwidth_gbs(device, (1 << 30) if device.type == "cuda" else (64 << 20))
+    return {"heads": list(heads), "dtype": str(dtype), "copy_gbs": ceiling, "rows": rows}

@@ -1,0 +1,71 @@
+"""The printed table of `kvgate bench gpu` (the JSON holds everything)."""
+
+from __future__ import annotations
+
+
+def _err(section) -> str | None:
+    if section is None:
+        return "not run"
+    return section.get("error") or section.get("skipped")
+
+
+def _throughput_rows(report: dict) -> list[str]:
+    rows = ["| architecture | peer | tok/s | wall (s) | peak GPU MiB |", "|---|---|---:|---:|---:|"]
+    pairs = [(report.get("architecture"), report.get("throughput_kvgate")),
+             (report.get("architecture"), report.get("throughput_hf"))]
+    for key, section in report.items():
+        if key.startswith("throughput_") and key not in ("throughput_kvgate", "throughput_hf"):
+            arch = key.removeprefix("throughput_")
+            pairs += ([(arch, section.get("kvgate")), (arch, section.get("hf"))] if not _err(section)
+                      else [(arch, section)])
+    for arch, r in pairs:
+        if _err(r):
+            rows.append(f"| {arch} | {_err(r)} ||||")
+            continue
+        peak = "n/a" if r.get("peak_gpu_mib") is None else f"{r['peak_gpu_mib']:.0f}"
+        rows.append(f"| {arch} | {r['peer']} | {r['tokens_per_s']:.1f} | {r['wall_s']:.2f} | {peak} |")
+    return rows
+
+
+def _attention_rows(section: dict | None) -> list[str]:
+    if _err(section):
+        return [f"attention: {_err(section)}"]
+    rows = [f"decode attention, one layer, heads {section['heads']}, {section['dtype']}; device copy "
+            f"{section['copy_gbs']:.0f} GB/s (read + write)",
+            "| batch | ctx | KV MiB | kvgate torch GB/s | Triton rows GB/s | SDPA contiguous GB/s |",
+            "|---:|---:|---:|---:|---:|---:|"]
+    for r in section["rows"]:
+        if "error" in r:
+            rows.append(f"| {r['batch']} | {r['ctx']} | {r['error']} ||||")
+            continue
+        cells = [f"{r[m + '_gbs']:.0f}" if m + "_gbs" in r else "error"
+                 for m in ("kvgate_torch", "triton_rows", "sdpa_contiguous")]
+        rows.append(f"| {r['batch']} | {r['ctx']} | {r['kv_mib']:.1f} | " + " | ".join(cells) + " |")
+    return rows
+
+
+def format_table(report: dict) -> str:
+    """Device, agreement, throughput and attention bandwidth as markdown tables."""
+    env = report.get("environment", {})
+    lines = [f"device: {env.get('name', env.get('device'))}, torch {env.get('torch')}, "
+             f"transformers {env.get('transformers')}; weights: {report.get('weights')}"]
+    corr = report.get("correctness")
+    if _err(corr):
+        lines.append(f"agreement: {_err(corr)}")
+    else:
+        lines.append(f"greedy agreement with transformers (float32): {_agreement(corr)}")
+    modes = report.get("default_modes")
+    if modes is not None:
+        bi = modes.get("batch_invariant_vs_hf")
+        lines.append(f"default modes: {_err(modes) or modes.get('modes')}"
+                     + (f"; batch_invariant vs transformers: {_agreement(bi)}" if bi else "")
+                     + (f"; batch_invariant off: {modes['bi_error']}" if modes.get("bi_error") else ""))
+    tables = _throughput_rows(report) + [""] + _attention_rows(report.get("attention"))
+    return "\n".join(lines + [""] + tables)
+
+
+def _agreement(a: dict) -> str:
+    parted = [r["hf_margin_at_divergence"] for r in a["rows"] if r["hf_margin_at_divergence"] is not None]
+    margins = f", transformers' top-2 margin where they part: {max(parted):.2e}" if parted else ""
+    return (f"{a['exact']}/{a['prompts']} prompts exact, {a['token_agreement']:.1%} of tokens before a "
+            f"divergence, max logprob gap {a['max_logprob_gap']:.2e}{margins}")
