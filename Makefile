@@ -24,7 +24,7 @@ model: install
 	$(BIN)/kvgate model prepare
 
 test: model
-	$(BIN)/python -m pytest -q -p no:cacheprovider
+	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=30
 
 serve: model
 	$(BIN)/kvgate serve

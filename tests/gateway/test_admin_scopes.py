@@ -14,7 +14,7 @@ from gateway.schemas.admin import ADMIN_SCOPES, KEYS_WRITE, RETENTION_READ
 from gateway.services import keys
 from gateway.storage.models import AdminToken
 
-from .conftest import make_settings
+from .conftest import make_settings, open_gateway
 
 
 def _admin_routes(app) -> list[tuple[str, str]]:
@@ -79,8 +79,16 @@ async def test_a_token_without_keys_write_cannot_shred_or_manage_keys(gw):
     assert r.status_code == 200 and r.json()["tenant_id"] == tid
 
 
+@pytest.fixture
+async def roomy_gw(tmp_path, sqlite_url, llm):
+    """One 401 per admin route is more failures than the per-peer limit allows (past it: 429)."""
+    async for g in open_gateway(tmp_path, sqlite_url, llm, auth_failure_limit=10 * len(ADMIN_ROUTE_SCOPES)):
+        yield g
+
+
 @pytest.mark.parametrize("lapse", ["expired", "revoked"])
-async def test_an_expired_or_revoked_admin_token_gets_401_on_every_admin_route(gw, lapse):
+async def test_an_expired_or_revoked_admin_token_gets_401_on_every_admin_route(roomy_gw, lapse):
+    gw = roomy_gw
     tid, _ = await gw.make_tenant()
     token_id, headers = await _token(gw, ADMIN_SCOPES)
     assert (await gw.client.get("/admin/v1/tenants", headers=headers)).status_code == 200

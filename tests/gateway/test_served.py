@@ -124,11 +124,12 @@ def _stalled_stream(server: Served, key: str, body: dict) -> ssl.SSLSocket:
 
 def test_clients_that_stop_reading_are_dropped_and_their_requests_settled(server: Served, model: str) -> None:
     tenant, key = server.make_tenant("stalled")
-    body = _chat(model, max_tokens=1900, temperature=1, logprobs=True, top_logprobs=20)
+    body = _chat(model, max_tokens=1900, n=4, temperature=1, logprobs=True, top_logprobs=20)
     socks = [_stalled_stream(server, key, body) for _ in range(4)]
     try:
-        # Each stream's chunks (~2 KB a token with 20 alternatives) fill the socket buffers long before
-        # 1,900 tokens: the server must give up on them, abort their generation and settle them.
+        # Each stream's chunks (~2 KB a token and choice with 20 alternatives, ~15 MB in all) fill the
+        # socket buffers (the kernel's send buffer grows to 4 MB on Linux) long before the end: the server
+        # must give up on them, abort their generation and settle them.
         _until(lambda: _metric(server, "kvgate_requests_total", tenant=tenant, status="aborted") == 4,
                timeout_s=120, what="the stalled streams to be aborted")
         assert _metric(server, "kvgate_requests_total", tenant=tenant, status="ok") == 0

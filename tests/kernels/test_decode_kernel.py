@@ -34,12 +34,12 @@ def _case(num_heads, num_kv_heads, head_dim, lens, kv_dtype, q_dtype=None, *, bs
     return q, k, v, tables, lens
 
 
-def _check(q, k, v, tables, lens, scale=None, tol_dtype=None):
+def _check(q, k, v, tables, lens, scale=None, tol_dtype=None, tol=None):
     scale = scale if scale is not None else q.shape[-1] ** -0.5
     out = paged_decode_attention(q, k, v, torch.tensor(tables), torch.tensor(lens), scale)
     assert out.dtype == q.dtype and out.shape == q.shape
     ref = ref_paged_decode_attention(q, k, v, tables, lens, scale)
-    torch.testing.assert_close(out.float(), ref, **TOL[tol_dtype or q.dtype])
+    torch.testing.assert_close(out.float(), ref, **(tol or TOL[tol_dtype or q.dtype]))
 
 
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (9, 3), (8, 2)])  # GQA 1, 3, 4
@@ -75,7 +75,10 @@ def test_scores_far_apart_keep_the_softmax_exact(dtype):
     for row, table in enumerate(tables):
         for p in range(300):
             k[table[p // 16], p % 16] = (p / 300 * 25 if row == 0 else (30.0 if p == 5 else 0.1)) * 1.0
-    _check(q.to(dtype), k, v, tables, lens)
+    # Scores near 200 carry a float32 rounding of ~200 * 2^-23 = 2.4e-5 whatever the summation order, and
+    # exp() passes it on as a relative error of the weights; overflow or a lost key errs by O(1).
+    tol = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else None
+    _check(q.to(dtype), k, v, tables, lens, tol=tol)
 
 
 def test_block_ids_past_32_bit_element_offsets():
