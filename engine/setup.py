@@ -34,6 +34,7 @@ from engine.loader import (
 )
 from engine.models import LlamaForCausalLM
 from kernels import KernelBuildError, load_cpu_kernels, load_decode_kernel
+from kernels.int4 import int4_available
 
 logger = logging.getLogger("kvgate.engine")
 
@@ -90,20 +91,54 @@ def _num_blocks(config: EngineConfig, mc: ModelConfig, dtype: torch.dtype, devic
     return n
 
 
+def has_fast_bf16_matmul() -> bool:
+    """This CPU has bfloat16 matrix instructions (AVX512_BF16 or AMX), so bfloat16 GEMMs beat float32's."""
+    try:
+        flags = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")),
+                     "").split()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """The compute dtype ``auto`` stands for on this device, or the one named."""
+    if name != "auto":
+        return _DTYPES[name]
+    return torch.bfloat16 if device.type == "cuda" or has_fast_bf16_matmul() else torch.float32
+
+
+def _maybe_pack_int4(config: EngineConfig, model: LlamaForCausalLM, dtype: torch.dtype,
+                     device: torch.device) -> None:
+    """Give the layers 4-bit copies for few-row steps where ``int4_decode`` asks for them and they run."""
+    if config.int4_decode == "off" or config.int4_max_rows == 0:
+        return
+    if dtype != torch.bfloat16 or not int4_available(device):
+        if config.int4_decode == "on":
+            raise ValueError("int4_decode='on' needs a bfloat16 model on the CPU (torch's int4 matmul)")
+        return
+    with torch.inference_mode():
+        used = model.pack_int4(config.int4_max_rows, exact_only=config.int4_decode == "auto")
+    logger.info("4-bit layer weights for steps of <= %d tokens: %s", config.int4_max_rows,
+                "on" if used else "off (the checkpoint's weights are not 4-bit)")
+
+
 def _kv_dtype(config: EngineConfig, dtype: torch.dtype, device: torch.device) -> torch.dtype:
     if config.kv_cache_dtype != "auto":
         return _DTYPES[config.kv_cache_dtype]
     return torch.float32 if device.type == "cpu" else dtype
 
 
-def build_model(mc: ModelConfig, state: dict, max_model_len: int, dtype: torch.dtype,
+def build_model(config: EngineConfig, mc: ModelConfig, state: dict, max_model_len: int, dtype: torch.dtype,
                 device: torch.device) -> LlamaForCausalLM:
-    """Construct on the meta device (no wasted random init), then materialize and copy the weights."""
+    """Construct on the meta device (no wasted random init), then materialize and copy the weights (and
+    pack their 4-bit copies from the checkpoint's own values, before a cast rounds them)."""
     with torch.device("meta"):
         model = LlamaForCausalLM(mc, max_model_len)
     model = model.to_empty(device="cpu")
     model.init_rope(max_model_len)
     model.load_hf_state_dict(state)
+    _maybe_pack_int4(config, model, dtype, device)
     model = model.to(device=device, dtype=dtype).eval()
     model.place_head()
     return model
@@ -117,11 +152,11 @@ def load_model(config: EngineConfig) -> LoadedModel:
     if device.type == "cpu":
         pin_threads(config.num_threads)
         prepare_decode_kernel(config.cache_dir)
-    dtype = _DTYPES[config.dtype]
+    dtype = resolve_dtype(config.dtype, device)
     model_dir = resolve_model_dir(config.model, config.cache_dir)
     mc = load_model_config(model_dir)
     max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
-    model = build_model(mc, load_state_dict(model_dir), max_model_len, dtype, device)
+    model = build_model(config, mc, load_state_dict(model_dir), max_model_len, dtype, device)
     tokenizer = load_tokenizer(Path(config.tokenizer) if config.tokenizer else model_dir)
     kv_dtype = _kv_dtype(config, dtype, device)
     num_blocks = _num_blocks(config, mc, kv_dtype, device)
@@ -156,6 +191,7 @@ def setup_determinism(config: EngineConfig, loaded: LoadedModel) -> Determinism:
             logger.warning("batch_invariant mode disabled: %s", bi_error)
     kernel_config = {"dtype": str(loaded.dtype), "kv_dtype": str(loaded.kv_caches[0][0].dtype),
                      "threads": torch.get_num_threads(), "device": loaded.device.type,
+                     "int4_max_rows": loaded.model.int4_max_rows,
                      "block_size": config.block_size, "linear_tile_rows": INVARIANT_TILE_ROWS,
                      "invariant_kernels": (getattr(plan, "config", None)
                                            or getattr(plan, "attention_backend", None))}

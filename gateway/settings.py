@@ -30,7 +30,10 @@ class Settings(BaseSettings):
         tls_cert: Server certificate (PEM); generated with a private CA when absent.
         tls_key: Server private key (PEM).
         model: Model directory / GGUF file; ``None`` for the default model.
-        dtype: Engine compute dtype.
+        dtype: Engine compute dtype: ``auto`` (bfloat16 where the CPU has bfloat16 matrix instructions or
+            on a GPU, else float32), ``float32``, ``bfloat16`` or ``float16``.
+        int4_decode: 4-bit layer weights for few-row decode steps: ``auto`` (when the checkpoint's weights
+            are 4-bit already, as the default model's are), ``on`` or ``off``.
         device: ``cpu`` or ``cuda``.
         num_kv_blocks: Exact KV pool size in blocks (``None``: by memory fraction).
         max_num_seqs: Engine batch limit.
@@ -99,7 +102,8 @@ class Settings(BaseSettings):
     tls_cert: Path | None = None
     tls_key: Path | None = None
     model: str | None = None
-    dtype: str = "float32"
+    dtype: str = "auto"
+    int4_decode: str = "auto"
     device: str = "cpu"
     num_kv_blocks: int | None = None
     max_num_seqs: int = 16
@@ -161,6 +165,7 @@ class Settings(BaseSettings):
         return EngineConfig(
             model=self.model,
             dtype=self.dtype,
+            int4_decode=self.int4_decode,
             device=self.device,
             num_kv_blocks=self.num_kv_blocks,
             max_num_seqs=self.max_num_seqs,

@@ -11,6 +11,9 @@ from engine.determinism import Linear, TilePlan, TritonPlan, tiled_linear
 from engine.errors import ModelLoadError
 from engine.loader import ModelConfig
 from kernels import AttentionMetadata, paged_attention, store_kv
+from kernels.int4 import Int4Weight, int4_linear, is_exact, pack_int4
+
+_PROJECTIONS = ("qkv", "o", "gate_up", "down")
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -53,18 +56,28 @@ class DecoderLayer(nn.Module):
         self.o = nn.Linear(q, cfg.hidden_size, bias=cfg.o_bias)
         self.gate_up = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.int4: dict[str, Int4Weight] | None = None  # 4-bit copies for few-row steps (pack_int4)
+
+    def _proj(self, name: str, x: torch.Tensor, plan: TilePlan | TritonPlan | None,
+              use_int4: bool) -> torch.Tensor:
+        if use_int4:
+            return int4_linear(x, self.int4[name])
+        return _linear(x, getattr(self, name), plan)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
-                kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+                kv_cache: tuple[torch.Tensor, torch.Tensor], use_int4: bool = False) -> torch.Tensor:
         # x: [T, hidden]
         t, rows = x.shape[0], meta.linear_plan  # rows: the batch-invariant plan, or None
-        q, k, v = _linear(_norm(x, self.input_norm, self.eps, rows), self.qkv, rows).split(self.split, dim=-1)
+        qkv = self._proj("qkv", _norm(x, self.input_norm, self.eps, rows), rows, use_int4)
+        q, k, v = qkv.split(self.split, dim=-1)
         q = apply_rope(q.view(t, self.num_heads, self.head_dim), cos, sin)
         k = apply_rope(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
         store_kv(k, v.view(t, self.num_kv_heads, self.head_dim), kv_cache[0], kv_cache[1], meta.slot_mapping)
-        x = x + _linear(paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale), self.o, rows)
-        gate, up = _linear(_norm(x, self.post_norm, self.eps, rows), self.gate_up, rows).chunk(2, dim=-1)
-        return x + _linear(F.silu(gate) * up, self.down, rows)
+        attn = paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale)
+        x = x + self._proj("o", attn, rows, use_int4)
+        gate_up = self._proj("gate_up", _norm(x, self.post_norm, self.eps, rows), rows, use_int4)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return x + self._proj("down", F.silu(gate) * up, rows, use_int4)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -79,6 +92,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = (None if cfg.tie_word_embeddings
                         else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False))
         self.head_t: torch.Tensor | None = None  # see place_head()
+        self.int4_max_rows = 0  # steps of at most this many tokens use the layers' 4-bit copies
         self.init_rope(max_model_len)
 
     def init_rope(self, max_model_len: int) -> None:
@@ -94,9 +108,24 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed(input_ids)
         cos = self.cos_cache[positions].to(x.dtype).unsqueeze(1)
         sin = self.sin_cache[positions].to(x.dtype).unsqueeze(1)
+        use_int4 = meta.linear_plan is None and x.shape[0] <= self.int4_max_rows
         for layer, kv in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, cos, sin, meta, kv)
+            x = layer(x, cos, sin, meta, kv, use_int4)
         return x
+
+    def pack_int4(self, max_rows: int, exact_only: bool) -> bool:
+        """Keep a 4-bit copy of every layer's weights for steps of at most ``max_rows`` tokens (the model
+        must be bfloat16 on the CPU). With ``exact_only``, keep them only if every weight was 4-bit to
+        begin with (a Q4 GGUF's), so the copies change nothing but bfloat16's rounding of the scales.
+        Returns whether the copies are in use."""
+        packed = [{name: pack_int4(getattr(layer, name).weight, getattr(layer, name).bias)
+                   for name in _PROJECTIONS} for layer in self.layers]
+        if exact_only and not all(is_exact(w) for layer in packed for w in layer.values()):
+            return False
+        for layer, weights in zip(self.layers, packed, strict=True):
+            layer.int4 = weights
+        self.int4_max_rows = max_rows
+        return True
 
     def compute_logits(self, hidden: torch.Tensor, plan: TilePlan | TritonPlan | None = None) -> torch.Tensor:
         """hidden: [N, hidden] → float32 logits [N, vocab]."""

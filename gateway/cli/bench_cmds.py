@@ -14,12 +14,13 @@ app.add_typer(bench_app, name="bench")
 @bench_app.command("engine")
 def bench_engine(
     num_requests: int = typer.Option(64, help="Requests in the standard workload"),
-    peers: str = typer.Option("kvgate,kvgate-bf16,hf-serial,hf-static,llamacpp-server,kvgate-1user,"
-                              "llamacpp-bench",
-                              help="Comma list: kvgate, kvgate-bf16, hf-serial, hf-static, llamacpp-server "
-                                   "(8 slots, the same requests at once), kvgate-1user and llamacpp-bench "
-                                   "(one user: pp512, tg128); llama.cpp peers need `kvgate bench "
-                                   "build-llamacpp`"),
+    peers: str = typer.Option("kvgate,kvgate-fp32,kvgate-bf16,hf-serial,hf-static,llamacpp-server,"
+                              "kvgate-1user,kvgate-1user-fp32,llamacpp-bench",
+                              help="Comma list: kvgate (EngineConfig()'s defaults), kvgate-fp32, kvgate-bf16 "
+                                   "(no 4-bit decode weights), hf-serial, hf-static, llamacpp-server (8 "
+                                   "slots, the same requests at once), kvgate-1user[-fp32] and "
+                                   "llamacpp-bench (one user: pp512, tg128); llama.cpp peers need "
+                                   "`kvgate bench build-llamacpp`"),
     hf_requests: int = typer.Option(16, help="Requests the (slow) transformers peers run; throughput is "
                                              "per-token so a subset is comparable"),
     out: str = typer.Option("bench-results/engine.json", help="Where to write the JSON results"),

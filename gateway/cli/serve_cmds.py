@@ -113,7 +113,12 @@ def serve(
     tls_key: Annotated[Path | None, typer.Option(help="Server key PEM.")] = None,
     num_kv_blocks: Annotated[int | None, typer.Option(help="KV pool size in blocks.")] = None,
     max_num_seqs: Annotated[int | None, typer.Option(help="Engine batch limit.")] = None,
-    dtype: Annotated[str | None, typer.Option(help="float32 | bfloat16 | float16.")] = None,
+    dtype: Annotated[
+        str | None, typer.Option(help="auto | float32 | bfloat16 | float16 (KVGATE_DTYPE).")
+    ] = None,
+    int4_decode: Annotated[
+        str | None, typer.Option(help="4-bit weights for few-row steps: auto|on|off (KVGATE_INT4_DECODE).")
+    ] = None,
     device: Annotated[str | None, typer.Option(help="cpu | cuda.")] = None,
     determinism_modes: Annotated[
         str | None, typer.Option(help="Modes served, e.g. fast,batch_invariant (KVGATE_DETERMINISM_MODES).")
@@ -167,6 +172,7 @@ def serve(
         num_kv_blocks=num_kv_blocks,
         max_num_seqs=max_num_seqs,
         dtype=dtype,
+        int4_decode=int4_decode,
         device=device,
         determinism_modes=determinism_modes,
         reserved_cpus=reserved_cpus,

@@ -67,7 +67,7 @@ def _ours(engine: LLMEngine, prompts, one_at_a_time: bool = False):
 
 @pytest.fixture(scope="module")
 def engine(default_model_dir):
-    return LLMEngine(EngineConfig(num_kv_blocks=512, enable_prefix_caching=False))
+    return LLMEngine(EngineConfig(dtype="float32", num_kv_blocks=512, enable_prefix_caching=False))
 
 
 def test_one_at_a_time_matches_transformers(engine, example_prompts, hf_outputs):
@@ -81,7 +81,7 @@ def test_continuous_batch_matches_transformers(engine, example_prompts, hf_outpu
 
 
 def test_chunked_prefill_matches_transformers(example_prompts, hf_outputs):
-    engine = LLMEngine(EngineConfig(num_kv_blocks=512, max_num_batched_tokens=32,
+    engine = LLMEngine(EngineConfig(dtype="float32", num_kv_blocks=512, max_num_batched_tokens=32,
                                     enable_prefix_caching=False))
     exact = check_logprobs_close(_ours(engine, example_prompts), hf_outputs)
     assert sum(exact) >= 7, exact
@@ -89,8 +89,17 @@ def test_chunked_prefill_matches_transformers(example_prompts, hf_outputs):
 
 def test_preemption_matches_transformers(example_prompts, hf_outputs):
     # 80 blocks = 1280 tokens: the 8 prompts (~1.8k tokens + 512 new) cannot all stay resident.
-    engine = LLMEngine(EngineConfig(num_kv_blocks=80, enable_prefix_caching=False))
+    engine = LLMEngine(EngineConfig(dtype="float32", num_kv_blocks=80, enable_prefix_caching=False))
     exact = check_logprobs_close(_ours(engine, example_prompts), hf_outputs)
     assert engine.stats().num_preemptions > 0
     assert engine.kv.pool.num_used_blocks == 0
     assert sum(exact) >= 7, exact
+
+
+def test_the_default_serving_configuration_stays_close_to_transformers(example_prompts, hf_outputs):
+    """EngineConfig() as served: bfloat16 and 4-bit decode weights where this CPU runs them fast. Greedy
+    paths part from float32 transformers' earlier (5 of 8 prompts stayed identical on 2026-11-25), but
+    only at near-ties: where they part, each side's token is in the other's top 5."""
+    engine = LLMEngine(EngineConfig(num_kv_blocks=512))
+    exact = check_logprobs_close(_ours(engine, example_prompts), hf_outputs)
+    assert sum(exact) >= 4, exact

@@ -18,8 +18,8 @@ def test_prefill_and_decode_logprobs_match_transformers(tmp_path_factory, arch, 
 
     path = make_tiny_model_dir(tmp_path_factory.mktemp(f"{arch}{heads}{kv_heads}"), arch, num_heads=heads,
                                num_kv_heads=kv_heads, seed=heads + kv_heads)
-    engine = LLMEngine(EngineConfig(model=str(path), num_kv_blocks=64, max_num_batched_tokens=chunk,
-                                    enable_prefix_caching=False))
+    engine = LLMEngine(EngineConfig(model=str(path), dtype="float32", num_kv_blocks=64,
+                                    max_num_batched_tokens=chunk, enable_prefix_caching=False))
     prompts = [[(7 * i + 3) % 4000 + 100 for i in range(n)] for n in (5, 23, 61)]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=20)
     results = engine.generate(prompts, params)
@@ -46,7 +46,7 @@ def test_one_row_logits_match_the_batched_head(tmp_path):
     """One sampled row goes through the transposed head copy; it agrees with the usual matmul."""
     for arch in ("llama", "qwen2"):  # tied and untied heads
         path = make_tiny_model_dir(tmp_path / arch, arch)
-        engine = LLMEngine(EngineConfig(model=str(path), num_kv_blocks=16))
+        engine = LLMEngine(EngineConfig(model=str(path), dtype="float32", num_kv_blocks=16))
         model = engine.loaded.model
         assert model.head_t is not None and model.head_t.shape == (64, 49152) and model.head_t.is_contiguous()
         hidden = torch.randn(3, 64, generator=torch.Generator().manual_seed(0))

@@ -1,0 +1,66 @@
+"""4-bit weights (groups of 32, a scale and an offset each) for the CPU's few-row matmuls.
+
+A decode step of one or a few sequences reads every weight once for a handful of rows: it is bound by
+memory bandwidth, and a 4-bit copy moves a quarter of bfloat16's bytes. torch's CPU int4 matmul takes
+bfloat16 activations, scales and offsets; past a few rows it is slower than a bfloat16 GEMM, so the dense
+weights stay for larger steps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+GROUP_SIZE = 32
+# A group is "exactly 4-bit" when requantizing it moves no weight by more than this share of its step:
+# weights that a 4-bit checkpoint (a Q4_0/Q4_1 GGUF) was dequantized into come back exactly.
+_EXACT_TOL = 1e-3
+
+
+@dataclass(slots=True)
+class Int4Weight:
+    """One linear's weight as packed 4-bit values and per-group bfloat16 (scale, offset) pairs."""
+
+    packed: torch.Tensor  # torch's CPU int4 layout of [N, K] 4-bit values
+    scales_zeros: torch.Tensor  # [K / GROUP_SIZE, N, 2] bfloat16: w = (q - 8) * scale + zero
+    bias: torch.Tensor | None
+    max_error: float  # largest |requantized - original| over the group's step, any group
+
+
+def int4_available(device: torch.device) -> bool:
+    """torch's CPU int4 matmul exists in this build (it does from torch 2.6 on)."""
+    return device.type == "cpu" and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+
+
+def pack_int4(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Int4Weight:
+    """Quantize ``weight`` [N, K] (K a multiple of 32) per group of 32 along K to 16 levels between the
+    group's minimum and maximum.
+
+    Raises:
+        ValueError: K is not a multiple of the group size.
+    """
+    n, k = weight.shape
+    if k % GROUP_SIZE:
+        raise ValueError(f"int4 weights need K a multiple of {GROUP_SIZE}, got {k}")
+    w = weight.detach().float().reshape(n, k // GROUP_SIZE, GROUP_SIZE)
+    lo, hi = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
+    step = ((hi - lo) / 15).clamp_min(torch.finfo(torch.float32).tiny)
+    q = ((w - lo) / step).round_().clamp_(0, 15)
+    max_error = float((((q * step + lo) - w).abs() / step).amax())
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).reshape(n, k), 1)
+    zeros = lo + 8 * step  # torch's convention: w = (q - 8) * scale + zero
+    scales_zeros = torch.cat([step, zeros], -1).transpose(0, 1).contiguous().to(torch.bfloat16)
+    return Int4Weight(packed, scales_zeros, None if bias is None else bias.detach().to(torch.bfloat16),
+                      max_error)
+
+
+def is_exact(w4: Int4Weight) -> bool:
+    """Every group came back on its own 4-bit grid (the weight was 4-bit before it was dequantized)."""
+    return w4.max_error <= _EXACT_TOL
+
+
+def int4_linear(x: torch.Tensor, w4: Int4Weight) -> torch.Tensor:
+    """``x @ W.T + b`` with the 4-bit weight. x: [M, K] bfloat16 → [M, N] bfloat16."""
+    out = torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), w4.packed, GROUP_SIZE, w4.scales_zeros)
+    return out if w4.bias is None else out + w4.bias
