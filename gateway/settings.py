@@ -51,9 +51,10 @@ class Settings(BaseSettings):
             ``None`` uses (or creates) ``retention_master.key`` in ``data_dir``.
         log_json: Emit JSON logs.
         reserved_cpus: Physical cores left to the gateway's own threads (event loop, TLS, database
-            writer): the engine's intra-op threads are the rest, at least one. On the 2-core benchmark
-            machine one reserved core takes ~1 ms off every request's added latency for ~10% of the
-            engine's batched throughput (docs/performance.md). vLLM's CPU backend reserves one the same way.
+            writer): the engine's intra-op threads are the rest, at least one. ``None`` (the default)
+            reserves one core on machines of 8 or more and none below: on 2 cores, one reserved core took
+            ~1 ms off a lone request's added latency but cost 36% of the tokens/s of 32 concurrent
+            streams (docs/performance.md, 2026-11-25). vLLM's CPU backend reserves one the same way.
         engine_process: Run the engine in a child process of its own (the default) instead of a thread of
             this one: the event loop, the database writer and the engine's Python stop taking turns on one
             GIL. Measured (docs/performance.md): +45-66% requests/s with 8 clients and shorter tails
@@ -106,7 +107,7 @@ class Settings(BaseSettings):
     int4_decode: str = "auto"
     device: str = "cpu"
     num_kv_blocks: int | None = None
-    max_num_seqs: int = 16
+    max_num_seqs: int = 64
     max_model_len: int | None = None
     max_body_bytes: int = 1_048_576
     default_policy: Policy = Field(default_factory=Policy)
@@ -117,7 +118,7 @@ class Settings(BaseSettings):
     inflight_lease_s: float = Field(default=30.0, ge=3.0)
     log_json: bool = True
     determinism_modes: str = "fast,fixed,batch_invariant"
-    reserved_cpus: int = Field(default=1, ge=0)
+    reserved_cpus: int | None = Field(default=None, ge=0)
     engine_process: bool = True
     stream_stall_timeout_s: float = Field(default=30.0, gt=0)
     http_max_header_bytes: int = Field(default=32_768, ge=1024, le=1_048_576)
@@ -153,7 +154,9 @@ class Settings(BaseSettings):
         """The engine's intra-op threads: the physical cores ``reserved_cpus`` leaves, at least one."""
         from engine.setup import physical_cores  # counted as the engine counts them when unpinned
 
-        return max(1, physical_cores() - self.reserved_cpus)
+        cores = physical_cores()
+        reserved = self.reserved_cpus if self.reserved_cpus is not None else int(cores >= 8)
+        return max(1, cores - reserved)
 
     @property
     def database_url(self) -> str:
