@@ -153,6 +153,38 @@ def _decode_fused(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     out[:n] = paged_decode_attention(query[:n], k_cache, v_cache, tables, lens, scale)
 
 
+def _decode_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                   scale: float, out: torch.Tensor) -> None:
+    """All decode rows in one launch of the Triton rows kernel (one program per row and KV head), K/V read
+    in place through the block table: the torch path's per-group, per-head bmm pairs are each a launch
+    and leave a GPU idle behind the host."""
+    from kernels.triton_bi import paged_attention_rows_triton
+
+    tables, lens = _decode_rows(meta, k_cache.shape[1])
+    n = meta.num_decode_tokens
+    rows = torch.arange(n, device=query.device)
+    out[:n] = paged_attention_rows_triton(query[:n].to(k_cache.dtype), k_cache, v_cache, tables, rows, lens,
+                                          scale)
+
+
+def _decode_kernel(query: torch.Tensor, k_cache: torch.Tensor):
+    """The decode path for this device: the fused C++ kernel on the CPU, the Triton one on CUDA, else
+    torch's."""
+    if _can_fuse_decode(query, k_cache):
+        return _decode_fused
+    if k_cache.device.type == "cuda" and _has_triton():
+        return _decode_triton
+    return _decode_torch
+
+
+def _has_triton() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     num_kv_heads, head_dim = cache.shape[-2:]
     return cache.view(-1, num_kv_heads, head_dim)[slots]
@@ -177,8 +209,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     group = num_heads // k_cache.shape[-2]
     out = torch.empty(query.shape, dtype=k_cache.dtype, device=query.device)
     if meta.decode_groups:
-        decode = _decode_fused if _can_fuse_decode(query, k_cache) else _decode_torch
-        decode(query, k_cache, v_cache, meta, scale, out)
+        _decode_kernel(query, k_cache)(query, k_cache, v_cache, meta, scale, out)
     for span in meta.prefills:
         s, n = span.q_start, span.q_len
         q = query[s:s + n].transpose(0, 1).unsqueeze(0).to(k_cache.dtype)  # [1, H, n, Dh]
