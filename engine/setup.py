@@ -34,6 +34,7 @@ from engine.loader import (
 )
 from engine.models import LlamaForCausalLM
 from kernels import KernelBuildError, load_cpu_kernels, load_decode_kernel
+from kernels.cpu_ext import load_int8_kernel
 from kernels.int4 import int4_available
 
 logger = logging.getLogger("kvgate.engine")
@@ -117,10 +118,21 @@ def _maybe_pack_int4(config: EngineConfig, model: LlamaForCausalLM, dtype: torch
         if config.int4_decode == "on":
             raise ValueError("int4_decode='on' needs a bfloat16 model on the CPU (torch's int4 matmul)")
         return
+    exact_only = config.int4_decode == "auto"
     with torch.inference_mode():
-        used = model.pack_int4(config.int4_max_rows, exact_only=config.int4_decode == "auto")
-    logger.info("4-bit layer weights for steps of <= %d tokens: %s", config.int4_max_rows,
-                "on" if used else "off (the checkpoint's weights are not 4-bit)")
+        used = model.pack_int4(config.int4_max_rows, exact_only)
+        head = used and _int8_kernel(config) and model.pack_int8_head(exact_only)
+    logger.info("4-bit layer weights for steps of <= %d tokens: %s; 8-bit LM head: %s", config.int4_max_rows,
+                "on" if used else "off (the checkpoint's weights are not 4-bit)", "on" if head else "off")
+
+
+def _int8_kernel(config: EngineConfig) -> bool:
+    try:
+        load_int8_kernel(Path(config.cache_dir) if config.cache_dir else default_cache_dir())
+    except KernelBuildError as e:
+        logger.warning("8-bit LM head unavailable: %s", e)
+        return False
+    return True
 
 
 def _kv_dtype(config: EngineConfig, dtype: torch.dtype, device: torch.device) -> torch.dtype:
@@ -192,6 +204,7 @@ def setup_determinism(config: EngineConfig, loaded: LoadedModel) -> Determinism:
     kernel_config = {"dtype": str(loaded.dtype), "kv_dtype": str(loaded.kv_caches[0][0].dtype),
                      "threads": torch.get_num_threads(), "device": loaded.device.type,
                      "int4_max_rows": loaded.model.int4_max_rows,
+                     "int8_head": loaded.model.head_int8 is not None,
                      "block_size": config.block_size, "linear_tile_rows": INVARIANT_TILE_ROWS,
                      "invariant_kernels": (getattr(plan, "config", None)
                                            or getattr(plan, "attention_backend", None))}
@@ -204,7 +217,19 @@ def setup_determinism(config: EngineConfig, loaded: LoadedModel) -> Determinism:
 def _enable_batch_invariance(config: EngineConfig, loaded: LoadedModel
                              ) -> tuple[str | None, TilePlan | TritonPlan | None]:
     """Load the batch-invariant kernels for this device, plan the matmuls and prove row invariance here;
-    return (why not, None) or (None, the plan)."""
+    return (why not, None) or (None, the plan). batch_invariant is one optional mode, so any failure here
+    (a Triton compile or launch error on an untried GPU, a kernel's RuntimeError) turns it off rather
+    than stopping the engine; interrupts and exits still propagate."""
+    try:
+        return _build_invariant_plan(config, loaded)
+    except Exception as e:
+        logger.debug("batch_invariant start-up failed", exc_info=True)
+        return f"enabling it failed with {type(e).__name__}: {e}", None
+
+
+def _build_invariant_plan(config: EngineConfig, loaded: LoadedModel
+                          ) -> tuple[str | None, TilePlan | TritonPlan | None]:
+    """The work of ``_enable_batch_invariance``; raises whatever the kernels, plan or check raise."""
     backend = config.invariant_backend
     if backend == "auto":
         backend = "triton" if loaded.device.type == "cuda" else "cpp"
@@ -239,6 +264,10 @@ def prepare_cpu_kernels(cache_dir: str | None = None) -> str | None:
     """Build (once) the C++ CPU kernels: the fused decode kernel and the one batch_invariant mode needs;
     return why the latter is unavailable, or None."""
     prepare_decode_kernel(cache_dir)
+    try:
+        load_int8_kernel(Path(cache_dir) if cache_dir else default_cache_dir())
+    except KernelBuildError as e:
+        logger.warning("8-bit LM head unavailable: %s", e)
     try:
         load_cpu_kernels(Path(cache_dir) if cache_dir else default_cache_dir())
     except KernelBuildError as e:
