@@ -44,6 +44,7 @@ class _Extension:
 
 _ROWS = _Extension("kvgate_cpu", _CSRC / "paged_attention_rows.cpp", _CFLAGS)
 _DECODE = _Extension("kvgate_decode", _CSRC / "paged_decode_attention.cpp", _DECODE_CFLAGS)
+_HEAD = _Extension("kvgate_int8", _CSRC / "int8_group_linear.cpp", _DECODE_CFLAGS)
 
 
 def _cpu_identity() -> str:
@@ -126,6 +127,36 @@ def load_cpu_kernels(build_root: str | Path) -> ModuleType:
         KernelBuildError: when compilation fails; the message says why.
     """
     return _load(_ROWS, build_root)
+
+
+def load_int8_kernel(build_root: str | Path) -> ModuleType:
+    """Compile (first time, about a minute) or load the grouped int8 linear under ``build_root``.
+
+    Raises:
+        KernelBuildError: when compilation fails (also on later calls, without retrying).
+    """
+    return _load(_HEAD, build_root)
+
+
+def int8_kernel_loaded() -> bool:
+    return _HEAD.module is not None
+
+
+def int8_group_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, group: int) -> torch.Tensor:
+    """``x @ W.T`` for W = q * scale per group of ``group`` inputs (see csrc/int8_group_linear.cpp).
+
+    Args:
+        x: [M, K] float32 or bfloat16. q: [N, K] int8. scales: [N, K / group] float32.
+
+    Returns:
+        [M, N] float32.
+
+    Raises:
+        RuntimeError: the kernel is not loaded, or a shape or dtype is wrong.
+    """
+    if _HEAD.module is None:
+        raise RuntimeError("the int8 kernel is not loaded: call load_int8_kernel first")
+    return _HEAD.module.int8_group_linear(x, q, scales, group)
 
 
 def load_decode_kernel(build_root: str | Path) -> ModuleType:

@@ -10,7 +10,7 @@ from torch import nn
 from engine.determinism import Linear, TilePlan, TritonPlan, tiled_linear
 from engine.errors import ModelLoadError
 from engine.loader import ModelConfig
-from kernels import AttentionMetadata, paged_attention, store_kv
+from kernels import AttentionMetadata, int8, paged_attention, store_kv
 from kernels.int4 import Int4Weight, int4_linear, is_exact, pack_int4
 
 _PROJECTIONS = ("qkv", "o", "gate_up", "down")
@@ -69,9 +69,11 @@ class DecoderLayer(nn.Module):
         # x: [T, hidden]
         t, rows = x.shape[0], meta.linear_plan  # rows: the batch-invariant plan, or None
         qkv = self._proj("qkv", _norm(x, self.input_norm, self.eps, rows), rows, use_int4)
-        q, k, v = qkv.split(self.split, dim=-1)
-        q = apply_rope(q.view(t, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
+        # RoPE on the query and key heads in one pass (elementwise, so bitwise what two passes give): a
+        # one-token step is dispatch-bound, and this halves RoPE's ops
+        qk = apply_rope(qkv[:, :self.split[0] + self.split[1]].view(t, -1, self.head_dim), cos, sin)
+        q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
+        v = qkv[:, self.split[0] + self.split[1]:]
         store_kv(k, v.view(t, self.num_kv_heads, self.head_dim), kv_cache[0], kv_cache[1], meta.slot_mapping)
         attn = paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale)
         x = x + self._proj("o", attn, rows, use_int4)
@@ -93,6 +95,7 @@ class LlamaForCausalLM(nn.Module):
                         else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False))
         self.head_t: torch.Tensor | None = None  # see place_head()
         self.int4_max_rows = 0  # steps of at most this many tokens use the layers' 4-bit copies
+        self.head_int8: int8.Int8Weight | None = None  # the LM head's 8-bit copy for as few rows
         self.init_rope(max_model_len)
 
     def init_rope(self, max_model_len: int) -> None:
@@ -127,9 +130,20 @@ class LlamaForCausalLM(nn.Module):
         self.int4_max_rows = max_rows
         return True
 
+    def pack_int8_head(self, exact_only: bool) -> bool:
+        """Keep an 8-bit copy (groups of 32) of the LM head for the same few-row steps; with
+        ``exact_only``, only if the head was 8-bit to begin with (a Q8_0 GGUF's). Whether it is in use."""
+        head = int8.pack_int8(self._head_weight())
+        if exact_only and not int8.is_exact(head):
+            return False
+        self.head_int8 = head
+        return True
+
     def compute_logits(self, hidden: torch.Tensor, plan: TilePlan | TritonPlan | None = None) -> torch.Tensor:
         """hidden: [N, hidden] → float32 logits [N, vocab]."""
         h = _norm(hidden, self.norm, self.cfg.rms_norm_eps, plan)
+        if plan is None and self.head_int8 is not None and h.shape[0] <= self.int4_max_rows:
+            return int8.int8_linear(h, self.head_int8)
         if plan is None and h.shape[0] == 1 and self.head_t is not None:
             return h @ self.head_t
         return tiled_linear(h, self._head_weight(), None, plan).float()

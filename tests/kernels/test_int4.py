@@ -89,3 +89,38 @@ def test_the_default_model_is_four_bit_and_uses_the_copies_where_bfloat16_runs(d
     assert engine.loaded.model.int4_max_rows == 8
     out = engine.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=4))[0]
     assert "Paris" in out.text
+
+
+def test_a_q8_0_head_packs_exactly_and_the_grouped_int8_kernel_matches_it():
+    from engine.setup import default_cache_dir
+    from kernels.cpu_ext import load_int8_kernel
+    from kernels.int8 import int8_linear, is_exact, pack_int8
+
+    load_int8_kernel(default_cache_dir())
+    g = torch.Generator().manual_seed(3)
+    q = torch.randint(-127, 128, (200, 96), generator=g)
+    q[:, ::32] = 127  # the quantizer puts each group's largest magnitude on 127
+    scale = torch.rand(200, 3, 1, generator=g) * 0.01 + 1e-4
+    w = (q.view(200, 3, 32) * scale).reshape(200, 96)
+    w8 = pack_int8(w)
+    assert is_exact(w8) and not is_exact(pack_int8(torch.randn(64, 64)))
+    for rows in (1, 3, 8):
+        x = torch.randn(rows, 96, generator=g)
+        for dtype in (torch.float32, torch.bfloat16):
+            out = int8_linear(x.to(dtype), w8)
+            ref = x.to(dtype).float() @ w.T
+            assert out.dtype == torch.float32 and out.shape == (rows, 200)
+            torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_the_default_models_head_is_eight_bit_and_used_for_few_rows(default_model_dir):
+    engine = LLMEngine(EngineConfig(dtype="bfloat16", num_kv_blocks=64, determinism_modes=("fast",)))
+    model = engine.loaded.model
+    assert model.head_int8 is not None
+    hidden = torch.randn(2, model.cfg.hidden_size).to(torch.bfloat16)
+    with torch.inference_mode():
+        few = model.compute_logits(hidden)  # 2 rows: the 8-bit head
+        model.int4_max_rows = 0
+        dense = model.compute_logits(hidden)  # the bfloat16 head
+    assert few.dtype == torch.float32
+    torch.testing.assert_close(few, dense, atol=0.15, rtol=0.02)  # bfloat16's own rounding of the head
