@@ -33,6 +33,21 @@ def bench_engine(
                      seed=seed)
 
 
+@bench_app.command("quality")
+def bench_quality(
+    num_prompts: int = typer.Option(32, help="Prompts of 64..256 tokens of real text"),
+    new_tokens: int = typer.Option(64, help="Greedy tokens per prompt"),
+    out: str = typer.Option("bench-results/quality.json", help="Where to write the JSON results"),
+    seed: int = typer.Option(0),
+) -> None:
+    """The default configuration's and bfloat16's greedy outputs against float32's on the same prompts."""
+    from bench.quality import format_table, run_quality
+
+    rows = run_quality(num_prompts, new_tokens, out, seed)
+    typer.echo(format_table(rows))
+    typer.echo(f"JSON: {out}")
+
+
 @bench_app.command("determinism")
 def bench_determinism(
     num_requests: int = typer.Option(64, help="Requests in the standard workload"),
