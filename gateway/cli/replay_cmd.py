@@ -223,13 +223,14 @@ def replay_cmd(
     db_url: DbUrlOpt = None,
     model: Annotated[str | None, typer.Option(help="Model dir or GGUF, as served (KVGATE_MODEL).")] = None,
     dtype: Annotated[str | None, typer.Option(help="As served (KVGATE_DTYPE).")] = None,
+    int4_decode: Annotated[str | None, typer.Option(help="As served (KVGATE_INT4_DECODE).")] = None,
     device: Annotated[str | None, typer.Option(help="As served (KVGATE_DEVICE).")] = None,
     reserved_cpus: Annotated[
         int | None, typer.Option(help="As served (KVGATE_RESERVED_CPUS): the engine's thread count.")
     ] = None,
 ) -> None:
     settings = build_settings(data_dir=data_dir, db_url=db_url, model=model, dtype=dtype, device=device,
-                              reserved_cpus=reserved_cpus)
+                              reserved_cpus=reserved_cpus, int4_decode=int4_decode)
     try:
         rec = run(lambda: _find_record(settings.database_url, record))
         receipt = _receipt(rec)

@@ -179,15 +179,15 @@ def test_default_model_outputs_match_cache_off(default_model_dir):
     from engine import EngineConfig, LLMEngine
     from engine.setup import load_model
 
-    loaded = load_model(EngineConfig(num_kv_blocks=64))
+    loaded = load_model(EngineConfig(num_kv_blocks=64, dtype="float32"))
     system = loaded.tokenizer.encode(_TEXT * 3, add_special_tokens=False)[:200]
     questions = [loaded.tokenizer.encode(q, add_special_tokens=False)
                  for q in (" Why are blocks a fixed size?", " What is reused?")]
     first = system + questions[0]
     prompts, spaces = [first, first, system[:100] + questions[1], first], [b"a", b"a", b"a", b"b"]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5)
-    cache_off = LLMEngine(EngineConfig(enable_prefix_caching=False), loaded=loaded)
+    cache_off = LLMEngine(EngineConfig(enable_prefix_caching=False, dtype="float32"), loaded=loaded)
     ref = _one_by_one(cache_off, prompts, None, params)
-    ours = _one_by_one(LLMEngine(EngineConfig(), loaded=loaded), prompts, spaces, params)
+    ours = _one_by_one(LLMEngine(EngineConfig(dtype="float32"), loaded=loaded), prompts, spaces, params)
     assert [o.num_cached_tokens for o in ours] == [0, (len(prompts[1]) - 1) // BS * BS, 96, 0]
     check_outputs_equal(ours, ref, logprob_atol=1e-4)

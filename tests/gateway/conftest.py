@@ -155,7 +155,7 @@ def llm(tiny_model_dir: Path):  # type: ignore[no-untyped-def]
             model=str(tiny_model_dir),
             dtype="float32",
             num_kv_blocks=256,
-            max_num_seqs=16,
+            max_num_seqs=Settings(data_dir=tiny_model_dir).max_num_seqs,  # part of fixed mode's fingerprint
             scheduling_policy="priority",
             # As `kvgate serve` and `kvgate replay` pin them (one core kept for the gateway): torch's
             # thread count is process-wide, and part of the system fingerprint a replay compares.

@@ -20,7 +20,7 @@ MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content
 
 async def _replay(gw: Gateway, tiny_model_dir: Path, *args: str, model: Path | None = None) -> Result:
     argv = ["replay", *args, "--data-dir", str(gw.settings.data_dir), "--db-url", gw.settings.db_url or ""]
-    argv += ["--model", str(model or tiny_model_dir)]
+    argv += ["--model", str(model or tiny_model_dir), "--dtype", "float32"]  # as the test gateway serves
     # The command runs its own event loop, so it cannot share the test's.
     return await asyncio.to_thread(CliRunner().invoke, app, argv)
 
