@@ -82,10 +82,14 @@ class Target:
     verify: ssl.SSLContext | bool = False
     headers: tuple[tuple[str, str], ...] = ()
 
-    def client(self, cfg: ServeBenchConfig) -> httpx.AsyncClient:
+    def client(self, cfg: ServeBenchConfig, is_concurrent: bool = True) -> httpx.AsyncClient:
+        """Requests sent one at a time each get a connection of their own: llama-server may close a
+        finished stream's connection, and a request sent on it fails (RemoteProtocolError)."""
+        keep_alive = None if is_concurrent else 0
         return httpx.AsyncClient(base_url=self.base_url, verify=self.verify, headers=dict(self.headers),
                                  timeout=httpx.Timeout(600.0),
-                                 limits=httpx.Limits(max_connections=cfg.num_requests + 4))
+                                 limits=httpx.Limits(max_connections=cfg.num_requests + 4,
+                                                     max_keepalive_connections=keep_alive))
 
 
 async def run_side(target: Target, cfg: ServeBenchConfig, scenarios: list[Scenario],
@@ -104,7 +108,7 @@ async def run_side(target: Target, cfg: ServeBenchConfig, scenarios: list[Scenar
     for sc in scenarios:
         bodies = [build_body(target.server, cfg.endpoint, model, p, sc.temperature, cfg.seed + i)
                   for i, p in enumerate(sc.prompts)]
-        async with target.client(cfg) as client:
+        async with target.client(cfg, sc.is_concurrent) as client:
             results, wall = await run_requests(client, path, bodies, cfg.endpoint, sc.is_concurrent,
                                                cfg.deadline_s)
         out.append(summarize(target.server, sc.name, results, wall))
