@@ -121,18 +121,9 @@ def _maybe_pack_int4(config: EngineConfig, model: LlamaForCausalLM, dtype: torch
     exact_only = config.int4_decode == "auto"
     with torch.inference_mode():
         used = model.pack_int4(config.int4_max_rows, exact_only)
-        head = used and _int8_kernel(config) and model.pack_int8_head(exact_only)
+        head = used and prepare_int8_kernel(config.cache_dir) and model.pack_int8_head(exact_only)
     logger.info("4-bit layer weights for steps of <= %d tokens: %s; 8-bit LM head: %s", config.int4_max_rows,
                 "on" if used else "off (the checkpoint's weights are not 4-bit)", "on" if head else "off")
-
-
-def _int8_kernel(config: EngineConfig) -> bool:
-    try:
-        load_int8_kernel(Path(config.cache_dir) if config.cache_dir else default_cache_dir())
-    except KernelBuildError as e:
-        logger.warning("8-bit LM head unavailable: %s", e)
-        return False
-    return True
 
 
 def _kv_dtype(config: EngineConfig, dtype: torch.dtype, device: torch.device) -> torch.dtype:
@@ -264,15 +255,27 @@ def prepare_cpu_kernels(cache_dir: str | None = None) -> str | None:
     """Build (once) the C++ CPU kernels: the fused decode kernel and the one batch_invariant mode needs;
     return why the latter is unavailable, or None."""
     prepare_decode_kernel(cache_dir)
+    prepare_int8_kernel(cache_dir)
     try:
-        load_int8_kernel(Path(cache_dir) if cache_dir else default_cache_dir())
-    except KernelBuildError as e:
-        logger.warning("8-bit LM head unavailable: %s", e)
-    try:
-        load_cpu_kernels(Path(cache_dir) if cache_dir else default_cache_dir())
+        load_cpu_kernels(_kernel_root(cache_dir))
     except KernelBuildError as e:
         return str(e)
     return None
+
+
+def _kernel_root(cache_dir: str | None) -> Path:
+    return Path(cache_dir) if cache_dir else default_cache_dir()
+
+
+def prepare_int8_kernel(cache_dir: str | None = None) -> bool:
+    """Build (once per machine) or load the grouped int8 kernel of the LM head's 8-bit copy; without it
+    the head stays bfloat16 (logged)."""
+    try:
+        load_int8_kernel(_kernel_root(cache_dir))
+    except KernelBuildError as e:
+        logger.warning("8-bit LM head unavailable: %s", e)
+        return False
+    return True
 
 
 def prepare_decode_kernel(cache_dir: str | None = None) -> bool:
@@ -280,7 +283,7 @@ def prepare_decode_kernel(cache_dir: str | None = None) -> bool:
     on the torch path, which is logged once per process."""
     global _decode_warned
     try:
-        load_decode_kernel(Path(cache_dir) if cache_dir else default_cache_dir())
+        load_decode_kernel(_kernel_root(cache_dir))
     except KernelBuildError as e:
         if not _decode_warned:
             logger.warning("fused CPU decode attention unavailable, decoding on the torch path: %s", e)

@@ -138,10 +138,6 @@ def load_int8_kernel(build_root: str | Path) -> ModuleType:
     return _load(_HEAD, build_root)
 
 
-def int8_kernel_loaded() -> bool:
-    return _HEAD.module is not None
-
-
 def int8_group_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, group: int) -> torch.Tensor:
     """``x @ W.T`` for W = q * scale per group of ``group`` inputs (see csrc/int8_group_linear.cpp).
 

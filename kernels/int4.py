@@ -13,9 +13,9 @@ from dataclasses import dataclass
 import torch
 
 GROUP_SIZE = 32
-# A group is "exactly 4-bit" when requantizing it moves no weight by more than this share of its step:
-# weights that a 4-bit checkpoint (a Q4_0/Q4_1 GGUF) was dequantized into come back exactly.
-_EXACT_TOL = 1e-3
+# A group is exactly n-bit when requantizing it moves no weight by more than this share of its step:
+# weights that a 4- or 8-bit checkpoint (a Q4_0/Q4_1/Q8_0 GGUF) was dequantized into come back exactly.
+EXACT_TOL = 1e-3
 
 
 @dataclass(slots=True)
@@ -33,6 +33,18 @@ def int4_available(device: torch.device) -> bool:
     return device.type == "cpu" and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
 
 
+def groups_of(weight: torch.Tensor, kind: str) -> torch.Tensor:
+    """``weight`` [N, K] as float32 groups [N, K / 32, 32] along K.
+
+    Raises:
+        ValueError: K is not a multiple of the group size.
+    """
+    n, k = weight.shape
+    if k % GROUP_SIZE:
+        raise ValueError(f"{kind} weights need K a multiple of {GROUP_SIZE}, got {k}")
+    return weight.detach().float().reshape(n, k // GROUP_SIZE, GROUP_SIZE)
+
+
 def pack_int4(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Int4Weight:
     """Quantize ``weight`` [N, K] (K a multiple of 32) per group of 32 along K to 16 levels between the
     group's minimum and maximum.
@@ -41,9 +53,7 @@ def pack_int4(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Int4Wei
         ValueError: K is not a multiple of the group size.
     """
     n, k = weight.shape
-    if k % GROUP_SIZE:
-        raise ValueError(f"int4 weights need K a multiple of {GROUP_SIZE}, got {k}")
-    w = weight.detach().float().reshape(n, k // GROUP_SIZE, GROUP_SIZE)
+    w = groups_of(weight, "int4")
     lo, hi = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
     step = ((hi - lo) / 15).clamp_min(torch.finfo(torch.float32).tiny)
     q = ((w - lo) / step).round_().clamp_(0, 15)
@@ -57,7 +67,7 @@ def pack_int4(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Int4Wei
 
 def is_exact(w4: Int4Weight) -> bool:
     """Every group came back on its own 4-bit grid (the weight was 4-bit before it was dequantized)."""
-    return w4.max_error <= _EXACT_TOL
+    return w4.max_error <= EXACT_TOL
 
 
 def int4_linear(x: torch.Tensor, w4: Int4Weight) -> torch.Tensor:

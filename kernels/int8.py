@@ -11,9 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.cpu_ext import int8_group_linear
-
-GROUP_SIZE = 32
-_EXACT_TOL = 1e-3  # as in kernels.int4: the largest requantization error, in steps
+from kernels.int4 import EXACT_TOL, GROUP_SIZE, groups_of
 
 
 @dataclass(slots=True)
@@ -30,9 +28,7 @@ def pack_int8(weight: torch.Tensor) -> Int8Weight:
         ValueError: K is not a multiple of the group size.
     """
     n, k = weight.shape
-    if k % GROUP_SIZE:
-        raise ValueError(f"int8 weights need K a multiple of {GROUP_SIZE}, got {k}")
-    w = weight.detach().float().reshape(n, k // GROUP_SIZE, GROUP_SIZE)
+    w = groups_of(weight, "int8")
     scale = (w.abs().amax(-1, keepdim=True) / 127).clamp_min(torch.finfo(torch.float32).tiny)
     q = (w / scale).round_().clamp_(-127, 127)
     max_error = float(((q * scale - w).abs() / scale).amax())
@@ -41,7 +37,7 @@ def pack_int8(weight: torch.Tensor) -> Int8Weight:
 
 def is_exact(w8: Int8Weight) -> bool:
     """Every group came back on its own 8-bit grid (the weight was Q8_0 before it was dequantized)."""
-    return w8.max_error <= _EXACT_TOL
+    return w8.max_error <= EXACT_TOL
 
 
 def int8_linear(x: torch.Tensor, w8: Int8Weight) -> torch.Tensor:

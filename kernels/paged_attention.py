@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -177,6 +178,7 @@ def _decode_kernel(query: torch.Tensor, k_cache: torch.Tensor):
     return _decode_torch
 
 
+@functools.cache
 def _has_triton() -> bool:
     try:
         import triton  # noqa: F401

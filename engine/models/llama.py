@@ -121,10 +121,13 @@ class LlamaForCausalLM(nn.Module):
         must be bfloat16 on the CPU). With ``exact_only``, keep them only if every weight was 4-bit to
         begin with (a Q4 GGUF's), so the copies change nothing but bfloat16's rounding of the scales.
         Returns whether the copies are in use."""
-        packed = [{name: pack_int4(getattr(layer, name).weight, getattr(layer, name).bias)
-                   for name in _PROJECTIONS} for layer in self.layers]
-        if exact_only and not all(is_exact(w) for layer in packed for w in layer.values()):
-            return False
+        packed = []
+        for layer in self.layers:  # stops at the first weight that is not 4-bit, when only exact will do
+            weights = {name: pack_int4(getattr(layer, name).weight, getattr(layer, name).bias)
+                       for name in _PROJECTIONS}
+            if exact_only and not all(is_exact(w) for w in weights.values()):
+                return False
+            packed.append(weights)
         for layer, weights in zip(self.layers, packed, strict=True):
             layer.int4 = weights
         self.int4_max_rows = max_rows
