@@ -97,9 +97,14 @@ def _chunks(
         if not o.new_token_ids and not o.new_text and o.finish_reason is None:
             continue
         prev = progress.num_tokens.get(o.index, 0)
-        choices.append(fmt.delta_choice(adm.kind, o, prev, text_of, progress.num_chars.get(o.index, 0)))
+        choice = fmt.delta_choice(adm.kind, o, prev, text_of, progress.num_chars.get(o.index, 0))
+        choices.append(choice)
         progress.num_tokens[o.index] = len(o.token_ids)
-        progress.num_chars[o.index] = len(o.text)
+        # Where the next token's text starts, as a whole response's text_offset counts it: the streamed
+        # text lags the tokens while a stop string may be forming, so it is no measure of that.
+        lp = choice["logprobs"]
+        if adm.kind == "text" and lp is not None and lp["tokens"]:
+            progress.num_chars[o.index] = lp["text_offset"][-1] + len(lp["tokens"][-1])
     if not choices:
         return []
     return [fmt.sse(_chunk(adm, choices, include_usage))]
