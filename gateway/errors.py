@@ -55,6 +55,13 @@ class ServiceUnavailable(GatewayError):
     default_code = "service_unavailable"
 
 
+class EngineOverloaded(ServiceUnavailable):
+    """Every place for a request in the engine is taken (``gateway.services.overload``): the server is
+    working as designed, so the refusal is counted, not logged as an error."""
+
+    default_code = "engine_overloaded"
+
+
 class ClientError(GatewayError):
     status_code = 400
     error_type = "invalid_request_error"
@@ -121,7 +128,7 @@ def error_response(
 
 
 def _gateway_error_handler(_: Request, exc: GatewayError) -> Response[Any]:
-    if exc.status_code >= 500:
+    if exc.status_code >= 500 and not isinstance(exc, EngineOverloaded):
         log.error("request.error", error=exc.message, exc_info=exc)
     return error_response(exc.status_code, exc.message, exc.error_type, exc.code, exc.param, exc.headers)
 

@@ -39,10 +39,26 @@ class _EngineCollector(Collector):
         )
 
 
+class _AdmissionCollector(Collector):
+    """The engine gate's places (``gateway.services.overload``), read at scrape time."""
+
+    def __init__(self, gate: Any) -> None:
+        self._gate = gate
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        g = self._gate
+        yield GaugeMetricFamily("kvgate_admitted_requests", "Requests past admission, not yet settled",
+                                value=g.num_in_flight)
+        yield GaugeMetricFamily("kvgate_admitted_requests_limit", "Most requests past admission at once",
+                                value=g.limit)
+        yield GaugeMetricFamily("kvgate_drain_rate", "Requests finished per busy second (weighted)",
+                                value=g.drain_per_second())
+
+
 class GatewayMetrics:
     """One registry per app, so several apps (tests, two instances) never collide."""
 
-    def __init__(self, get_engine: Callable[[], Any]) -> None:
+    def __init__(self, get_engine: Callable[[], Any], gate: Any = None) -> None:
         self.registry = CollectorRegistry()
         self.requests = Counter(
             "kvgate_requests",
@@ -64,6 +80,8 @@ class GatewayMetrics:
             registry=self.registry,
         )
         self.registry.register(_EngineCollector(get_engine))
+        if gate is not None:
+            self.registry.register(_AdmissionCollector(gate))
 
     def observe_finished(
         self,

@@ -16,6 +16,7 @@ from gateway.audit_hook import AuditHook
 from gateway.metrics import GatewayMetrics
 from gateway.openai_format import TokenText
 from gateway.secrets import Hasher, load_or_create_pepper
+from gateway.services.overload import EngineGate
 from gateway.services.quota import QuotaService
 from gateway.services.receipts import prompt_ids_hash
 from gateway.services.segment_cache import SegmentCache
@@ -44,6 +45,7 @@ class Runtime:
     txn: TxnRunner = field(init=False)
     hasher: Hasher = field(init=False)
     quota: QuotaService = field(init=False)
+    overload: EngineGate = field(init=False)  # the places of requests past admission
     metrics: GatewayMetrics = field(init=False)
     token_text: TokenText = field(init=False)
     segments: SegmentCache = field(init=False)  # a chat's pieces seen before, per namespace
@@ -61,7 +63,10 @@ class Runtime:
         )
         self.txn = TxnRunner(self.db, is_durable=self.settings.durable_commits)
         self.quota = QuotaService(self.txn, Slots(lease_s=self.settings.inflight_lease_s))
-        self.metrics = GatewayMetrics(lambda: self.engine)
+        s = self.settings
+        self.overload = EngineGate(s.max_num_seqs, s.max_num_seqs if s.max_queued_requests is None
+                                   else s.max_queued_requests)
+        self.metrics = GatewayMetrics(lambda: self.engine, self.overload)
 
     async def start(self, *, has_custom_sink: bool) -> None:
         if self.settings.audit_enabled and not has_custom_sink:

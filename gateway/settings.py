@@ -37,6 +37,10 @@ class Settings(BaseSettings):
         device: ``cpu`` or ``cuda``.
         num_kv_blocks: Exact KV pool size in blocks (``None``: by memory fraction).
         max_num_seqs: Engine batch limit.
+        max_queued_requests: Requests admitted beyond the engine's batch that may wait for a place in it
+            (``None``: as many as ``max_num_seqs``). One more request than ``max_num_seqs`` plus this is
+            answered at once with a 503 ``engine_overloaded`` and a ``Retry-After`` from the measured
+            drain rate (docs/operations.md#overload).
         max_model_len: Context limit override.
         max_body_bytes: Largest accepted request body.
         default_policy: Policy given to new tenants (JSON in ``KVGATE_DEFAULT_POLICY``).
@@ -108,6 +112,7 @@ class Settings(BaseSettings):
     device: str = "cpu"
     num_kv_blocks: int | None = None
     max_num_seqs: int = 64
+    max_queued_requests: int | None = Field(default=None, ge=0)
     max_model_len: int | None = None
     max_body_bytes: int = 1_048_576
     default_policy: Policy = Field(default_factory=Policy)

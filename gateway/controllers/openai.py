@@ -66,6 +66,7 @@ class OpenAIController(Controller):
             InvalidRequest: Malformed body (400).
             PolicyViolation: Over the tenant's limits, e.g. ``context_length_exceeded`` (400).
             QuotaExceeded: Over a rate or quota (429, with ``Retry-After``).
+            EngineOverloaded: Every place in the engine is taken (503, with ``Retry-After``).
         """
         await _complete(scope, receive, send, ChatCompletionRequest, "chat")
 
@@ -79,6 +80,7 @@ class OpenAIController(Controller):
             InvalidRequest: Malformed body (400).
             PolicyViolation: Over the tenant's limits (400).
             QuotaExceeded: Over a rate or quota (429).
+            EngineOverloaded: Every place in the engine is taken (503, with ``Retry-After``).
         """
         await _complete(scope, receive, send, CompletionRequest, "text")
 

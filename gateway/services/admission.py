@@ -11,13 +11,13 @@ from typing import Any
 
 from audit.context import bind_request_context, register_sensitive
 from engine import SamplingParams
-from engine.errors import InvalidRequestError
 from gateway.audit_hook import AuditUnavailableError, DeferredEvent, chain_steps
 from gateway.errors import InvalidRequest, NotFound, PolicyViolation
 from gateway.runtime import Runtime
 from gateway.schemas.openai import ChatCompletionRequest, CompletionRequest
 from gateway.services import retention
 from gateway.services.keys import Principal
+from gateway.services.overload import EnginePlace
 from gateway.services.prompt_tokens import (  # kvgate replay and the benchmarks import these from here
     chat_token_ids,
     check_prompt_bytes,
@@ -28,6 +28,7 @@ from gateway.services.prompt_tokens import (  # kvgate replay and the benchmarks
 )
 from gateway.services.quota import Reservation
 from gateway.services.ratelimit import Hold, RateLimitInfo
+from gateway.services.sampling import sampling_params
 from gateway.services.tenants import current_policy
 from policies import Decision, Policy, RequestContext, evaluate
 
@@ -56,6 +57,7 @@ class Admission:
     # engine's fingerprint for the request's determinism mode, known before the first token.
     prompt_hash: str | None = None
     system_fingerprint: str | None = None
+    place: EnginePlace | None = None  # in the engine gate, given back when the request's settlement starts
 
     def __repr__(self) -> str:  # lengths only, never the prompt
         return (
@@ -76,41 +78,6 @@ def _namespace(decision: Decision, principal: Principal) -> bytes:
     """The engine's prefix-cache namespace: the sharer's, or one of the request's own."""
     sharer = _sharer(decision.cache_scope, principal)
     return b"r:" + secrets.token_bytes(16) if sharer is None else sharer.encode()
-
-
-def _seed(req: ChatCompletionRequest | CompletionRequest) -> int | None:
-    """The request's seed; a sampled request without one gets a fresh seed here, recorded in its audit
-    receipt so that a replay can redraw the same tokens. 32 bits: a 13+ digit number could be masked as a
-    card number by the log redactor."""
-    if req.seed is not None or req.temperature == 0:
-        return req.seed
-    return secrets.randbits(32)
-
-
-def _sampling_params(req: ChatCompletionRequest | CompletionRequest, decision: Decision) -> SamplingParams:
-    if req.min_tokens > decision.max_tokens:
-        limit = "max_tokens" if req.requested_max_tokens is not None else "the room the prompt leaves"
-        raise InvalidRequest(
-            f"min_tokens is {req.min_tokens}; it must not exceed {limit} ({decision.max_tokens}).",
-            code="invalid_value",
-            param="min_tokens",
-        )
-    try:
-        return SamplingParams(
-            n=req.n,
-            max_tokens=decision.max_tokens,
-            temperature=req.temperature,
-            top_p=req.top_p,
-            top_k=req.top_k,
-            seed=_seed(req),
-            stop=req.stop_list or None,
-            ignore_eos=req.ignore_eos,
-            min_tokens=req.min_tokens,
-            logprobs=req.num_logprobs,
-            determinism=decision.determinism,
-        )
-    except InvalidRequestError as e:
-        raise InvalidRequest(str(e)) from None
 
 
 def _check_mode_available(engine: Any, mode: str, requested: str | None) -> None:
@@ -255,15 +222,17 @@ async def admit(
     """Check the request against the tenant's policy and quotas and reserve its worst-case tokens.
 
     Cheapest checks first, so that a refusal costs less than what it refuses: the concurrency and
-    request-rate limits as this process knows them (``QuotaService.gate``), the prompt's bytes, then its
-    tokens, the policy and the reservation. ``auth_event``, the request's ``auth.success`` when the
-    middleware deferred it, is recorded in the reservation's transaction (unrecorded if refused).
+    request-rate limits as this process knows them (``QuotaService.gate``), a place in the engine
+    (``Runtime.overload``), the prompt's bytes, then its tokens, the policy and the reservation.
+    ``auth_event``, the request's ``auth.success`` when the middleware deferred it, is recorded in the
+    reservation's transaction (unrecorded if refused).
 
     Raises:
         NotFound: Unknown model.
         PolicyViolation: Over a static limit (e.g. 400 ``context_length_exceeded``).
         InvalidRequest: A determinism mode this engine does not serve (400 ``determinism_unavailable``).
         QuotaExceeded: Over a rate or quota, or the tokenizing pool is full (429 with ``Retry-After``).
+        EngineOverloaded: Every place in the engine is taken (503 with ``Retry-After``).
         AuditUnavailableError: The admission could not be audited (503; the reservation is released).
     """
     request_id = uuid.uuid4().hex
@@ -271,15 +240,19 @@ async def admit(
     bind_request_context(request_id=request_id)
     register_sensitive(*retention.prompt_texts(req))
     policy = await _policy(rt, principal, req)
-    hold = rt.quota.gate.take(principal.tenant_id, policy, time.time())
+    hold = rt.quota.gate.take(principal.tenant_id, policy, time.time(), rt.overload.tenant_wait_s)
+    place = None
     try:
+        place = rt.overload.take()  # after the tenant's own limits: over them, the answer is its 429
         prompt_ids, decision = await _decide(rt, principal, policy, req)
-        params = _sampling_params(req, decision)
+        params = sampling_params(req, decision)
         fields = _admitted_fields(request_id, principal, req.model, len(prompt_ids), decision)
         fields["prompt_hash"] = prompt_hash = rt.prompt_hash(prompt_ids)
         reservation, info = await _reserve_audited(rt, principal, policy, decision, fields, auth_event, hold)
     except BaseException:
-        hold.give()  # what refused the request after the gate gives its place back
+        hold.give()  # what refused the request after the gates gives its places back
+        if place is not None:
+            place.give(is_finished=False)
         raise
     return Admission(
         request_id,
@@ -297,4 +270,5 @@ async def admit(
         retained_prompt=retention.retained_prompt(req) if policy.prompt_retention_days else None,
         prompt_hash=prompt_hash,
         system_fingerprint=rt.engine.determinism.fingerprints[decision.determinism],
+        place=place,
     )

@@ -12,7 +12,7 @@ from engine.errors import InvalidRequestError
 from gateway import openai_format as fmt
 from gateway.asgi_io import StreamReply, WholeReply, unless_client_leaves
 from gateway.audit_hook import DeferredEvent
-from gateway.errors import ClientError, InvalidRequest, ServiceUnavailable, error_body
+from gateway.errors import ClientError, EngineOverloaded, InvalidRequest, ServiceUnavailable, error_body
 from gateway.runtime import Runtime
 from gateway.schemas.openai import ChatCompletionRequest, CompletionRequest
 from gateway.services.admission import Admission, admit
@@ -177,6 +177,9 @@ async def _admit_audited(
             code=e.code,
             status=e.status_code,
         )
+        rt.metrics.requests.labels(principal.tenant_id or "", kind, str(e.status_code)).inc()
+        raise
+    except EngineOverloaded as e:  # counted, not audited: the tenant did nothing wrong
         rt.metrics.requests.labels(principal.tenant_id or "", kind, str(e.status_code)).inc()
         raise
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import math
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from gateway.errors import QuotaExceeded
@@ -151,8 +152,10 @@ class TenantGate:
         self._tenants: OrderedDict[str, _TenantCounts] = OrderedDict()
         self._max_tenants = max_tenants
 
-    def take(self, tenant_id: str, policy: Policy, now: float) -> Hold:
-        """A hold for one more request of ``tenant_id``.
+    def take(self, tenant_id: str, policy: Policy, now: float,
+             wait_s: Callable[[int], float] | None = None) -> Hold:
+        """A hold for one more request of ``tenant_id``; ``wait_s(num_held)`` says how long a tenant at
+        its concurrency limit with ``num_held`` requests in flight should wait (1 s without it).
 
         Raises:
             QuotaExceeded: At ``max_concurrent_requests`` or ``requests_per_minute`` (429).
@@ -160,7 +163,8 @@ class TenantGate:
         counts = self._counts(tenant_id)
         limit = policy.max_concurrent_requests
         if limit is not None and counts.num_in_flight >= limit:
-            raise exceeded("Too many concurrent requests for this tenant.", 1.0, "concurrency_limit")
+            retry_after = 1.0 if wait_s is None else wait_s(counts.num_in_flight)
+            raise exceeded("Too many concurrent requests for this tenant.", retry_after, "concurrency_limit")
         rpm, minute_start = policy.requests_per_minute, int(now // 60) * 60
         if rpm is not None and counts.minute_start == minute_start:
             if counts.num_minute_requests + counts.num_pending >= rpm:

@@ -64,7 +64,9 @@ async def finish(rt: Runtime, adm: Admission, progress: Progress) -> None:
     """Settle, record metrics and audit. Shielded: it must complete even when the client went away."""
     with anyio.CancelScope(shield=True):
         if not progress.is_done:
-            rt.engine.abort(adm.request_id)
+            rt.engine.abort(adm.request_id)  # on its way before any later request's add
+        if adm.place is not None:
+            adm.place.give()
         if not await _is_committed(adm):  # nothing was reserved or recorded: nothing to settle
             return
         num_prompt, num_completion, num_cached = progress.usage(adm)

@@ -1,0 +1,157 @@
+"""Engine admission: a bounded number of requests past admission, refused at once beyond it.
+
+Every request the gateway admits holds one place from its admission (before tokenizing) until its
+settlement starts: a whole response's last token, a stream's last byte handed to its connection, or its
+abort. Places are ``max_num_seqs`` (the engine's batch) plus ``max_queued`` (requests that may wait for a
+place in it), so the engine's waiting queue, the pipe to it and the outputs held for clients never grow
+past that many requests. One request more is answered at once with a 503 ``engine_overloaded``.
+
+Its ``Retry-After`` comes from the measured drain rate: the requests ahead of a newcomer
+(``queued / drain_rate``), clamped to [1, 60] s. The rate counts places given back per second of busy
+time (some place held), weighted exponentially, so an idle hour neither dilutes nor ages the estimate.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+
+from gateway.errors import EngineOverloaded
+
+RETRY_AFTER_MIN_S = 1
+RETRY_AFTER_MAX_S = 60
+DRAIN_TIME_CONSTANT_S = 10.0  # about the last 10 s of busy time weigh in the rate
+
+
+def retry_after_s(num_ahead: float, rate: float | None) -> int:
+    """Whole seconds until ``num_ahead`` requests drained at ``rate`` per second, clamped to [1, 60].
+    Nothing measured yet (``None``): the minimum."""
+    if rate is None:
+        return RETRY_AFTER_MIN_S
+    if rate <= 0:
+        return RETRY_AFTER_MAX_S
+    return min(RETRY_AFTER_MAX_S, max(RETRY_AFTER_MIN_S, math.ceil(num_ahead / rate)))
+
+
+class DrainRate:
+    """Finished requests per second of busy time, exponentially weighted (time constant ``tau_s``).
+
+    Both the count and the busy time decay with busy time alone: ``count / span`` is then the rate over
+    roughly the last ``tau_s`` busy seconds, and early on (less busy time than ``tau_s``) simply the count
+    over the busy time so far, without the bias of an average that starts at zero. Callers pass ``now``
+    (any monotonic clock), so the estimator is a pure function of what it was told.
+    """
+
+    __slots__ = ("_tau", "_count", "_span", "_last", "_is_busy")
+
+    def __init__(self, tau_s: float = DRAIN_TIME_CONSTANT_S) -> None:
+        if tau_s <= 0:
+            raise ValueError("tau_s must be positive")
+        self._tau = tau_s
+        self._count = 0.0  # decayed finished requests
+        self._span = 0.0  # decayed busy seconds
+        self._last: float | None = None
+        self._is_busy = False
+
+    def set_busy(self, now: float, is_busy: bool) -> None:
+        """From ``now`` on, time counts (some request is in flight) or not (idle)."""
+        self._advance(now)
+        self._is_busy = is_busy
+
+    def add(self, now: float, num_finished: int = 1) -> None:
+        """``num_finished`` requests gave back their places at ``now``."""
+        self._advance(now)
+        self._count += num_finished
+
+    def per_second(self, now: float) -> float | None:
+        """The rate; ``None`` before any busy time. Fewer than one finished in the weighted window reads
+        as one: while nothing finishes the estimate falls toward one per ``tau_s``, never to zero."""
+        self._advance(now)
+        if self._span <= 0:
+            return None
+        return max(self._count, 1.0) / self._span
+
+    def _advance(self, now: float) -> None:
+        if self._last is not None and self._is_busy and now > self._last:
+            decay = math.exp(-(now - self._last) / self._tau)
+            self._count *= decay
+            self._span = self._span * decay + self._tau * (1.0 - decay)
+        if self._last is None or now > self._last:
+            self._last = now
+
+
+class EnginePlace:
+    """One admitted request's place; ``give`` is idempotent (every way a request ends may call it)."""
+
+    __slots__ = ("_gate", "_is_held")
+
+    def __init__(self, gate: EngineGate) -> None:
+        self._gate, self._is_held = gate, True
+
+    def give(self, *, is_finished: bool = True) -> None:
+        """Give the place back: ``is_finished`` when the engine worked on the request (it counts in the
+        drain rate), not when admission refused it."""
+        if self._is_held:
+            self._is_held = False
+            self._gate._give(is_finished)
+
+
+class EngineGate:
+    """The places of one gateway process (see the module docstring); on its event loop only.
+
+    Args:
+        num_running: The engine's batch (``max_num_seqs``): requests beyond it wait in its queue.
+        max_queued: Requests that may wait beyond the batch.
+        clock: Monotonic seconds (tests pass their own).
+        tau_s: The drain rate's time constant.
+    """
+
+    def __init__(self, num_running: int, max_queued: int, clock: Callable[[], float] = time.monotonic,
+                 tau_s: float = DRAIN_TIME_CONSTANT_S) -> None:
+        if num_running < 1 or max_queued < 0:
+            raise ValueError("num_running must be positive and max_queued not negative")
+        self.num_running, self.limit = num_running, num_running + max_queued
+        self.num_in_flight = 0
+        self.drain = DrainRate(tau_s)
+        self._clock = clock
+
+    def take(self) -> EnginePlace:
+        """A place for one more request.
+
+        Raises:
+            EngineOverloaded: Every place is held (503 ``engine_overloaded`` with ``Retry-After``).
+        """
+        if self.num_in_flight >= self.limit:
+            raise EngineOverloaded(
+                "The server is overloaded: too many requests are waiting for the engine; retry after the "
+                "time in Retry-After.",
+                headers={"Retry-After": str(self.retry_after_s())},
+            )
+        if self.num_in_flight == 0:
+            self.drain.set_busy(self._clock(), True)
+        self.num_in_flight += 1
+        return EnginePlace(self)
+
+    def retry_after_s(self) -> int:
+        """The wait a refused request is told: the requests queued ahead of it over the drain rate."""
+        num_queued = max(1, self.num_in_flight - self.num_running)
+        return retry_after_s(num_queued, self.drain.per_second(self._clock()))
+
+    def tenant_wait_s(self, num_held: int) -> int:
+        """The wait a tenant at its concurrency limit is told: until one of its ``num_held`` requests is
+        likely done, if every request in flight drains at the same pace."""
+        share = max(1, self.num_in_flight) / max(1, num_held)
+        return retry_after_s(share, self.drain.per_second(self._clock()))
+
+    def drain_per_second(self) -> float:
+        """The measured drain rate (0 before any): for the metrics."""
+        return self.drain.per_second(self._clock()) or 0.0
+
+    def _give(self, is_finished: bool) -> None:
+        now = self._clock()
+        if is_finished:
+            self.drain.add(now)
+        self.num_in_flight -= 1
+        if self.num_in_flight == 0:
+            self.drain.set_busy(now, False)
