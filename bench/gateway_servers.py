@@ -15,8 +15,10 @@ from pathlib import Path
 import httpx
 
 import gateway
+from gateway.audit_hook import AuditHook
 from gateway.secrets import Hasher, load_or_create_pepper
 from gateway.services import keys, tenants
+from gateway.services.admin_audit import AdminActor
 from gateway.settings import Settings
 from gateway.storage import migrate
 from gateway.storage.db import make_db_engine, make_sessionmaker
@@ -55,11 +57,12 @@ async def create_tenant_key(settings: Settings) -> tuple[str, str]:
     await migrate.upgrade(settings.database_url)
     db = make_db_engine(settings.database_url)
     hasher = Hasher(load_or_create_pepper(settings.data_dir))
+    by = AdminActor(AuditHook(lambda name, fields: None), "bench")  # set-up, not measured: no events
     try:
         async with make_sessionmaker(db)() as s:
-            t = await tenants.create_tenant(s, f"bench-{secrets.token_hex(4)}", BENCH_POLICY, "bench")
+            t = await tenants.create_tenant(s, by, f"bench-{secrets.token_hex(4)}", BENCH_POLICY)
         async with make_sessionmaker(db)() as s:
-            created = await keys.create_key(s, hasher, t.id, "bench", None)
+            created = await keys.create_key(s, hasher, by, t.id, "bench", None)
     finally:
         await db.dispose()
     return t.id, created.key

@@ -11,7 +11,8 @@ Events (``name`` → fields; never prompts, completions or secrets):
                                     determinism, system_fingerprint, prompt_hash, num_choices,
                                     max_tokens, temperature, top_p, top_k, seed, stop, arrival_step,
                                     token_hashes (fixed/batch_invariant)
-    admin.<action>                  actor (admin token id or "cli"), tenant_id, key_id, version, ...
+    admin.<action>                  actor (admin token id, or "cli:<os user>" for ``kvgate admin``),
+                                    tenant_id, key_id, version, ... (gateway/services/admin_audit.py)
 """
 
 from __future__ import annotations

@@ -1,22 +1,27 @@
-"""``kvgate admin``: bootstrap and manage admin tokens (audited), and tenants, keys and policies offline."""
+"""``kvgate admin``: admin tokens, tenants, keys and policies, directly in the database; every change
+audited as ``cli:<os user>`` (``cli_actor``), in the transaction of the change, as the admin API does."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Annotated
 
 import typer
+from sqlalchemy.ext.asyncio import AsyncSession
 
 from audit.sink import store_txn_sink
 from audit.store import AuditStore, AuditUnavailable
 from gateway.audit_hook import AuditHook, AuditUnavailableError, TxnStep
 from gateway.cli import app
-from gateway.cli.common import DataDirOpt, DbUrlOpt, prepared_settings, run
+from gateway.cli.common import DataDirOpt, DbUrlOpt, cli_actor, prepared_settings, run
 from gateway.errors import GatewayError
 from gateway.schemas.admin import ADMIN_SCOPES, MAX_EXPIRES_IN_SECONDS, AdminTokenCreate
 from gateway.secrets import Hasher, load_or_create_pepper
 from gateway.services import admin_tokens, keys, tenants, usage
+from gateway.services.admin_audit import AdminActor
 from gateway.settings import Settings
 from gateway.storage.db import make_db_engine, make_sessionmaker
 from policies import Policy
@@ -27,26 +32,35 @@ admin_app = typer.Typer(
 app.add_typer(admin_app, name="admin")
 
 
+@asynccontextmanager
+async def _session(settings: Settings) -> AsyncIterator[AsyncSession]:
+    engine = make_db_engine(settings.database_url)
+    try:
+        async with make_sessionmaker(engine)() as session:
+            yield session
+    finally:
+        await engine.dispose()
+
+
 def _with_session(data_dir: Path | None, db_url: str | None, fn):  # type: ignore[no-untyped-def]
+    """``fn(session, hasher, settings)`` for commands that only read."""
     settings = prepared_settings(data_dir=data_dir, db_url=db_url)
     hasher = Hasher(load_or_create_pepper(settings.data_dir))
 
     async def go():  # type: ignore[no-untyped-def]
-        engine = make_db_engine(settings.database_url)
-        try:
-            async with make_sessionmaker(engine)() as session:
-                return await fn(session, hasher, settings)
-        finally:
-            await engine.dispose()
+        async with _session(settings) as session:
+            return await fn(session, hasher, settings)
 
     return run(go)
 
 
-async def _audited(settings: Settings, fn):  # type: ignore[no-untyped-def]
-    """``fn(audit)`` with the audit hook the gateway itself would use: events chained into the audit store
-    inside the transaction of the change (or logged, with ``KVGATE_AUDIT_ENABLED=false``)."""
+@asynccontextmanager
+async def _audit_hook(settings: Settings) -> AsyncIterator[AuditHook]:
+    """The audit hook the gateway itself would use: events chained into the audit store inside the
+    transaction of the change (or logged, with ``KVGATE_AUDIT_ENABLED=false``)."""
     if not settings.audit_enabled:
-        return await fn(AuditHook())
+        yield AuditHook()
+        return
     store = await AuditStore.open(settings.database_url, settings.data_dir)
 
     async def run_alone(step: TxnStep, **_: object) -> None:
@@ -56,15 +70,25 @@ async def _audited(settings: Settings, fn):  # type: ignore[no-untyped-def]
     try:
         hook = AuditHook()
         hook.set_txn_sink(store_txn_sink(store), run_alone)
-        return await fn(hook)
+        yield hook
     finally:
         await store.close()
 
 
 def _with_audit(data_dir: Path | None, db_url: str | None, fn):  # type: ignore[no-untyped-def]
-    """``_with_session`` for commands that change admin tokens: ``fn(session, hasher, audit)``."""
+    """For commands that change something: ``fn(session, hasher, by, settings)``, where ``by`` (the OS
+    user, see ``cli_actor``) commits the change together with its audit event."""
+    settings = prepared_settings(data_dir=data_dir, db_url=db_url)
+    hasher = Hasher(load_or_create_pepper(settings.data_dir))
+
+    async def go():  # type: ignore[no-untyped-def]
+        # The session closes (rolling back a refused change) before the store's closing checkpoint, which
+        # on SQLite would otherwise wait out the busy timeout for the session's write lock.
+        async with _audit_hook(settings) as hook, _session(settings) as session:
+            return await fn(session, hasher, AdminActor(hook, cli_actor()), settings)
+
     try:
-        return _with_session(data_dir, db_url, lambda s, h, st: _audited(st, lambda a: fn(s, h, a)))
+        return run(go)
     except (AuditUnavailable, AuditUnavailableError) as e:
         typer.echo(f"not done: the audit trail is unavailable ({e})", err=True)
         raise typer.Exit(2) from e
@@ -106,10 +130,10 @@ def bootstrap(
         name="bootstrap", scopes=tuple(sorted(ADMIN_SCOPES)), expires_in_seconds=expires_in_seconds
     )
 
-    async def go(session, hasher, audit):  # type: ignore[no-untyped-def]
+    async def go(session, hasher, by, _):  # type: ignore[no-untyped-def]
         if not force and await keys.has_admin_tokens(session):
             return None
-        return await admin_tokens.issue(session, hasher, audit, admin_tokens.CLI_ACTOR, body)
+        return await admin_tokens.issue(session, hasher, by, body)
 
     created = _with_audit(data_dir, db_url, go)
     if created is None:
@@ -136,9 +160,7 @@ def create_token(
     if not scopes <= ADMIN_SCOPES:
         raise typer.BadParameter(f"unknown scope(s) {sorted(scopes - ADMIN_SCOPES)}", param_hint="--scope")
     body = AdminTokenCreate(name=name, scopes=tuple(sorted(scopes)), expires_in_seconds=expires_in_seconds)
-    created = _with_audit(
-        data_dir, db_url, lambda s, h, a: admin_tokens.issue(s, h, a, admin_tokens.CLI_ACTOR, body)
-    )
+    created = _with_audit(data_dir, db_url, lambda s, h, by, st: admin_tokens.issue(s, h, by, body))
     typer.echo(created.token)
 
 
@@ -151,15 +173,15 @@ def list_tokens(data_dir: DataDirOpt = None, db_url: DbUrlOpt = None) -> None:
 @admin_app.command("revoke-token")
 def revoke_token(token_id: str, data_dir: DataDirOpt = None, db_url: DbUrlOpt = None) -> None:
     """Revoke an admin token by id (the part after kvga_); audited."""
-    _print(_with_audit(data_dir, db_url, lambda s, h, a: admin_tokens.revoke(s, a, token_id)))
+    _print(_with_audit(data_dir, db_url, lambda s, h, by, st: admin_tokens.revoke(s, by, token_id)))
 
 
 @admin_app.command("create-tenant")
 def create_tenant(name: str, data_dir: DataDirOpt = None, db_url: DbUrlOpt = None) -> None:
-    """Create a tenant with the default policy."""
+    """Create a tenant with the default policy; audited."""
     _print(
-        _with_session(
-            data_dir, db_url, lambda s, h, st: tenants.create_tenant(s, name, st.default_policy, "cli")
+        _with_audit(
+            data_dir, db_url, lambda s, h, by, st: tenants.create_tenant(s, by, name, st.default_policy)
         )
     )
 
@@ -172,8 +194,8 @@ def list_tenants(data_dir: DataDirOpt = None, db_url: DbUrlOpt = None) -> None:
 
 @admin_app.command("disable-tenant")
 def disable_tenant(tenant_id: str, data_dir: DataDirOpt = None, db_url: DbUrlOpt = None) -> None:
-    """Disable a tenant (its keys stop working)."""
-    _print(_with_session(data_dir, db_url, lambda s, h, st: tenants.set_disabled(s, tenant_id, True)))
+    """Disable a tenant (its keys stop working); audited."""
+    _print(_with_audit(data_dir, db_url, lambda s, h, by, st: tenants.set_disabled(s, by, tenant_id, True)))
 
 
 @admin_app.command("create-key")
@@ -184,10 +206,12 @@ def create_key(
     data_dir: DataDirOpt = None,
     db_url: DbUrlOpt = None,
 ) -> None:
-    """Issue an API key for a tenant; the key is printed once."""
+    """Issue an API key for a tenant; the key is printed once; audited."""
     _print(
-        _with_session(
-            data_dir, db_url, lambda s, h, st: keys.create_key(s, h, tenant_id, name, expires_in_seconds)
+        _with_audit(
+            data_dir,
+            db_url,
+            lambda s, h, by, st: keys.create_key(s, h, by, tenant_id, name, expires_in_seconds),
         )
     )
 
@@ -200,8 +224,8 @@ def list_keys(tenant_id: str, data_dir: DataDirOpt = None, db_url: DbUrlOpt = No
 
 @admin_app.command("revoke-key")
 def revoke_key(tenant_id: str, key_id: str, data_dir: DataDirOpt = None, db_url: DbUrlOpt = None) -> None:
-    """Revoke a key."""
-    _print(_with_session(data_dir, db_url, lambda s, h, st: keys.revoke_key(s, tenant_id, key_id)))
+    """Revoke a key; audited."""
+    _print(_with_audit(data_dir, db_url, lambda s, h, by, st: keys.revoke_key(s, by, tenant_id, key_id)))
 
 
 @admin_app.command("rotate-key")
@@ -212,10 +236,12 @@ def rotate_key(
     data_dir: DataDirOpt = None,
     db_url: DbUrlOpt = None,
 ) -> None:
-    """Issue a successor key; the old one works for --overlap-seconds more."""
+    """Issue a successor key; the old one works for --overlap-seconds more; audited."""
     _print(
-        _with_session(
-            data_dir, db_url, lambda s, h, st: keys.rotate_key(s, h, tenant_id, key_id, overlap_seconds)
+        _with_audit(
+            data_dir,
+            db_url,
+            lambda s, h, by, st: keys.rotate_key(s, h, by, tenant_id, key_id, overlap_seconds),
         )
     )
 
@@ -230,11 +256,11 @@ def get_policy(tenant_id: str, data_dir: DataDirOpt = None, db_url: DbUrlOpt = N
 def set_policy(
     tenant_id: str, policy_file: Path, comment: str = "", data_dir: DataDirOpt = None, db_url: DbUrlOpt = None
 ) -> None:
-    """Validate POLICY_FILE (JSON) and store it as the tenant's next policy version."""
+    """Validate POLICY_FILE (JSON) and store it as the tenant's next policy version; audited."""
     policy = Policy.model_validate_json(policy_file.read_text())
     _print(
-        _with_session(
-            data_dir, db_url, lambda s, h, st: tenants.put_policy(s, tenant_id, policy, "cli", comment)
+        _with_audit(
+            data_dir, db_url, lambda s, h, by, st: tenants.put_policy(s, by, tenant_id, policy, comment)
         )
     )
 

@@ -17,6 +17,7 @@ from audit.retention import RetentionStore, resolve_master_key
 from audit.store import AuditStore, AuditUnavailable
 from audit.verify import verify_bundle
 from gateway.cli import app
+from gateway.cli.common import cli_actor
 from gateway.storage.db import default_db_url, normalize_db_url
 
 audit_app = typer.Typer(name="audit", help="Tamper-evident audit trail: export, verify, purge.",
@@ -72,7 +73,8 @@ def export_cmd(
     data, url = _resolve(data_dir, db_url)
     spec = ExportSpec(since=_parse_when(since), until=_parse_when(until), tenant=tenant, fmt=fmt)
     try:
-        manifest = asyncio.run(_with_store(data, url, lambda s: export_bundle(s, out, spec, actor="cli")))
+        actor = cli_actor()
+        manifest = asyncio.run(_with_store(data, url, lambda s: export_bundle(s, out, spec, actor=actor)))
     except (AuditUnavailable, FileExistsError, ValueError) as e:
         typer.echo(f"export failed: {e}", err=True)
         raise typer.Exit(2) from e
@@ -108,7 +110,7 @@ def purge_cmd(
     when = _parse_when(before)
     assert when is not None
     try:
-        result = asyncio.run(_with_store(data, url, lambda s: s.purge(when, actor="cli")))
+        result = asyncio.run(_with_store(data, url, lambda s: s.purge(when, actor=cli_actor())))
     except AuditUnavailable as e:
         typer.echo(f"purge failed: {e}", err=True)
         raise typer.Exit(2) from e
@@ -118,7 +120,7 @@ def purge_cmd(
 async def _shred(store: AuditStore, data_dir: Path, tenant_id: str) -> int:
     retention = RetentionStore(store.engine, resolve_master_key(data_dir))
     # Recorded first: a shred that cannot be audited does not happen.
-    await store.record(RETENTION_KEY_SHREDDED, actor="cli", tenant_id=tenant_id,
+    await store.record(RETENTION_KEY_SHREDDED, actor=cli_actor(), tenant_id=tenant_id,
                        num_records=await retention.count_records(tenant_id))
     return await retention.shred_tenant(tenant_id)
 
@@ -126,7 +128,7 @@ async def _shred(store: AuditStore, data_dir: Path, tenant_id: str) -> int:
 async def _purge_retention(store: AuditStore, data_dir: Path) -> int:
     num_deleted = await RetentionStore(store.engine, resolve_master_key(data_dir)).purge_expired()
     if num_deleted:
-        await store.record(RETENTION_PURGED, actor="cli", num_deleted=num_deleted)
+        await store.record(RETENTION_PURGED, actor=cli_actor(), num_deleted=num_deleted)
     return num_deleted
 
 

@@ -1,4 +1,4 @@
-"""Shared CLI plumbing: settings from flags over ``KVGATE_*`` env vars, and running coroutines."""
+"""Shared CLI plumbing: settings from flags over ``KVGATE_*`` env vars, coroutines, the audit actor."""
 
 from __future__ import annotations
 
@@ -24,6 +24,20 @@ DbUrlOpt = Annotated[
 def build_settings(**flags: Any) -> Settings:
     """Flags given on the command line win over environment variables; unset flags fall through."""
     return Settings(**{k: v for k, v in flags.items() if v is not None})
+
+
+def cli_actor() -> str:
+    """The actor the audit trail names for a change made with the CLI: ``cli:<user>``, the operating-system
+    account the command runs as (its effective uid, not ``$USER``, which the caller sets), or
+    ``cli:uid<N>`` for a uid without an account name."""
+    uid = os.geteuid()
+    try:
+        import pwd
+
+        user = pwd.getpwuid(uid).pw_name
+    except (ImportError, KeyError):
+        user = f"uid{uid}"
+    return f"cli:{user}"[:128]
 
 
 def run(fn: Callable[[], Awaitable[T]]) -> T:

@@ -25,12 +25,14 @@ from gateway.schemas.admin import (
     UsageRow,
 )
 from gateway.services import admin_tokens, keys, tenants, usage
+from gateway.services.admin_audit import AdminActor
 from gateway.services.keys import Principal
 
 
-async def _audit(runtime: Runtime, name: str, **fields: object) -> None:
-    # Emitted after the change is committed, so a failing audit sink cannot un-do it: log, don't refuse.
-    await runtime.audit.emit(name, required=False, **fields)
+def _by(runtime: Runtime, principal: Principal) -> AdminActor:
+    """The calling admin token as the author of a change: its event commits with the change (503 and no
+    change when the audit trail cannot record it)."""
+    return AdminActor(runtime.audit, principal.key_id)
 
 
 class AdminController(Controller):
@@ -43,11 +45,8 @@ class AdminController(Controller):
     ) -> TenantOut:
         """Create a tenant with the settings' default policy (or the one given) as version 1."""
         body = parse_body(await request.body(), TenantCreate)
-        out = await tenants.create_tenant(
-            session, body.name, body.policy or runtime.settings.default_policy, principal.key_id
-        )
-        await _audit(runtime, "admin.tenant_created", actor=principal.key_id, tenant_id=out.id)
-        return out
+        policy = body.policy or runtime.settings.default_policy
+        return await tenants.create_tenant(session, _by(runtime, principal), body.name, policy)
 
     @get("/tenants")
     async def list_tenants(self, session: AsyncSession) -> list[TenantOut]:
@@ -64,18 +63,14 @@ class AdminController(Controller):
         self, session: AsyncSession, runtime: Runtime, principal: Principal, tenant_id: str
     ) -> TenantOut:
         """Disable a tenant: its keys stop working on the next request."""
-        out = await tenants.set_disabled(session, tenant_id, True)
-        await _audit(runtime, "admin.tenant_disabled", actor=principal.key_id, tenant_id=tenant_id)
-        return out
+        return await tenants.set_disabled(session, _by(runtime, principal), tenant_id, True)
 
     @post("/tenants/{tenant_id:str}/enable", status_code=200)
     async def enable_tenant(
         self, session: AsyncSession, runtime: Runtime, principal: Principal, tenant_id: str
     ) -> TenantOut:
         """Re-enable a disabled tenant."""
-        out = await tenants.set_disabled(session, tenant_id, False)
-        await _audit(runtime, "admin.tenant_enabled", actor=principal.key_id, tenant_id=tenant_id)
-        return out
+        return await tenants.set_disabled(session, _by(runtime, principal), tenant_id, False)
 
     @post("/tenants/{tenant_id:str}/keys", status_code=201)
     async def create_key(
@@ -83,11 +78,10 @@ class AdminController(Controller):
     ) -> KeyCreated:
         """Issue an API key; the full key is in this response only."""
         body = parse_body(await request.body() or b"{}", KeyCreate)
-        out = await keys.create_key(session, runtime.hasher, tenant_id, body.name, body.expires_in_seconds)
-        await _audit(
-            runtime, "admin.key_created", actor=principal.key_id, tenant_id=tenant_id, key_id=out.info.id
+        by = _by(runtime, principal)
+        return await keys.create_key(
+            session, runtime.hasher, by, tenant_id, body.name, body.expires_in_seconds
         )
-        return out
 
     @get("/tenants/{tenant_id:str}/keys")
     async def list_keys(self, session: AsyncSession, tenant_id: str) -> list[KeyOut]:
@@ -99,9 +93,7 @@ class AdminController(Controller):
         self, session: AsyncSession, runtime: Runtime, principal: Principal, tenant_id: str, key_id: str
     ) -> KeyOut:
         """Revoke a key, effective on its next request."""
-        out = await keys.revoke_key(session, tenant_id, key_id)
-        await _audit(runtime, "admin.key_revoked", actor=principal.key_id, tenant_id=tenant_id, key_id=key_id)
-        return out
+        return await keys.revoke_key(session, _by(runtime, principal), tenant_id, key_id)
 
     @post("/tenants/{tenant_id:str}/keys/{key_id:str}/rotate", status_code=201)
     async def rotate_key(
@@ -115,16 +107,8 @@ class AdminController(Controller):
     ) -> KeyCreated:
         """Issue a successor key; the old one keeps working for ``overlap_seconds``."""
         body = parse_body(await request.body() or b"{}", KeyRotate)
-        out = await keys.rotate_key(session, runtime.hasher, tenant_id, key_id, body.overlap_seconds)
-        await _audit(
-            runtime,
-            "admin.key_rotated",
-            actor=principal.key_id,
-            tenant_id=tenant_id,
-            key_id=key_id,
-            new_key_id=out.info.id,
-        )
-        return out
+        by = _by(runtime, principal)
+        return await keys.rotate_key(session, runtime.hasher, by, tenant_id, key_id, body.overlap_seconds)
 
     @get("/tenants/{tenant_id:str}/policy")
     async def get_policy(self, session: AsyncSession, tenant_id: str) -> PolicyOut:
@@ -142,13 +126,10 @@ class AdminController(Controller):
     ) -> PolicyOut:
         """Validate and store a new policy version (409 if ``expected_version`` is stale)."""
         body = parse_body(await request.body(), PolicyPut)
-        out = await tenants.put_policy(
-            session, tenant_id, body.policy, principal.key_id, body.comment, body.expected_version
+        by = _by(runtime, principal)
+        return await tenants.put_policy(
+            session, by, tenant_id, body.policy, body.comment, body.expected_version
         )
-        await _audit(
-            runtime, "admin.policy_changed", actor=principal.key_id, tenant_id=tenant_id, version=out.version
-        )
-        return out
 
     @get("/tenants/{tenant_id:str}/usage")
     async def get_usage(
@@ -197,4 +178,4 @@ class AdminController(Controller):
             NotFound: No such token (404).
             Forbidden: The token has scopes the calling token lacks (403).
         """
-        return await admin_tokens.revoke(session, runtime.audit, token_id, principal)
+        return await admin_tokens.revoke(session, _by(runtime, principal), token_id, principal)

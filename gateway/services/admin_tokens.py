@@ -12,12 +12,12 @@ from gateway.clock import as_utc, utcnow
 from gateway.errors import Forbidden, NotFound
 from gateway.schemas.admin import AdminTokenCreate, AdminTokenCreated, AdminTokenOut
 from gateway.secrets import Hasher
+from gateway.services.admin_audit import AdminActor
 from gateway.services.keys import Principal, expiry, new_admin_token
 from gateway.storage.models import AdminToken
 
 TOKEN_CREATED = "admin.admin_token_created"
 TOKEN_REVOKED = "admin.admin_token_revoked"
-CLI_ACTOR = "cli"
 _SNAPSHOT = {"name", "scopes", "expires_at", "revoked_at"}
 
 
@@ -36,28 +36,14 @@ def token_to_schema(row: AdminToken) -> AdminTokenOut:
     )
 
 
-async def _commit_audited(
-    session: AsyncSession, audit: AuditHook, name: str, actor: str, row: AdminToken
-) -> None:
-    """Commit the change with its audit event in the same transaction, where the audit sink can join one
-    (then a change that cannot be audited does not happen); else record it right after the commit."""
+async def _commit_audited(session: AsyncSession, by: AdminActor, name: str, row: AdminToken) -> None:
     after = token_to_schema(row).model_dump(mode="json", include=_SNAPSHOT)
-    fields: dict[str, Any] = {"actor": actor, "target_type": "admin_token", "target_id": row.id}
-    fields["after"] = after
-    step = audit.step(name, **fields)
-    if step is not None:
-        await session.run_sync(lambda sync_session: step(sync_session.connection()))
-    await session.commit()
-    if step is None:
-        await audit.emit(name, required=False, **fields)
+    fields: dict[str, Any] = {"target_type": "admin_token", "target_id": row.id, "after": after}
+    await by.commit(session, name, **fields)
 
 
 async def issue(
-    session: AsyncSession,
-    hasher: Hasher,
-    audit: AuditHook,
-    actor: str,
-    body: AdminTokenCreate,
+    session: AsyncSession, hasher: Hasher, by: AdminActor, body: AdminTokenCreate
 ) -> AdminTokenCreated:
     """Issue a token with ``body.scopes``, unchecked against any caller (the CLI, which owns the database).
 
@@ -67,7 +53,7 @@ async def issue(
     """
     row, token = new_admin_token(hasher, body.name, frozenset(body.scopes), body.expires_in_seconds)
     session.add(row)
-    await _commit_audited(session, audit, TOKEN_CREATED, actor, row)
+    await _commit_audited(session, by, TOKEN_CREATED, row)
     return AdminTokenCreated(token=token, info=token_to_schema(row))
 
 
@@ -95,7 +81,7 @@ async def mint(
                 "A token cannot outlive the token that issues it; ask for a shorter expires_in_seconds.",
                 code="token_outlives_issuer",
             )
-    return await issue(session, hasher, audit, caller.key_id, body)
+    return await issue(session, hasher, AdminActor(audit, caller.key_id), body)
 
 
 async def list_tokens(session: AsyncSession) -> list[AdminTokenOut]:
@@ -105,7 +91,7 @@ async def list_tokens(session: AsyncSession) -> list[AdminTokenOut]:
 
 
 async def revoke(
-    session: AsyncSession, audit: AuditHook, token_id: str, caller: Principal | None = None
+    session: AsyncSession, by: AdminActor, token_id: str, caller: Principal | None = None
 ) -> AdminTokenOut:
     """Revoke a token, effective on its next request. ``caller`` (``None``: the CLI, which owns the
     database) must hold every scope the token has, so a narrow token cannot lock out a broader one.
@@ -121,5 +107,5 @@ async def revoke(
         _check_within(caller, frozenset(_scopes(row)), "revoke")
     if row.revoked_at is None:
         row.revoked_at = utcnow()
-    await _commit_audited(session, audit, TOKEN_REVOKED, CLI_ACTOR if caller is None else caller.key_id, row)
+    await _commit_audited(session, by, TOKEN_REVOKED, row)
     return token_to_schema(row)

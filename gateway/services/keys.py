@@ -20,11 +20,15 @@ from gateway.schemas.admin import (
     KeyOut,
 )
 from gateway.secrets import ADMIN_PREFIX, TENANT_PREFIX, Hasher, new_token, parse_token
+from gateway.services.admin_audit import AdminActor
 from gateway.services.tenants import get_tenant_row, parse_policy
 from gateway.storage.models import AdminToken, ApiKey, PolicyVersion, Tenant
 from policies import Policy
 
 _DUMMY_HASH = "0" * 64
+KEY_CREATED = "admin.key_created"
+KEY_REVOKED = "admin.key_revoked"
+KEY_ROTATED = "admin.key_rotated"
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,15 +83,10 @@ def expiry(now: datetime, expires_in_seconds: int | None) -> datetime | None:
     return now + timedelta(seconds=expires_in_seconds)
 
 
-async def create_key(
+async def _add_key(
     session: AsyncSession, hasher: Hasher, tenant_id: str, name: str, expires_in_seconds: int | None
-) -> KeyCreated:
-    """Issue a tenant key, expiring after ``expires_in_seconds`` (``None``: never).
-
-    Raises:
-        InvalidRequest: ``expires_in_seconds`` is not positive.
-        NotFound: Unknown tenant.
-    """
+) -> tuple[ApiKey, str]:
+    """A new key row added to ``session`` (not committed) and the key, which is shown once."""
     now = utcnow()
     expires = expiry(now, expires_in_seconds)
     await get_tenant_row(session, tenant_id)
@@ -101,7 +100,26 @@ async def create_key(
         expires_at=expires,
     )
     session.add(row)
-    await session.commit()
+    return row, token
+
+
+async def create_key(
+    session: AsyncSession,
+    hasher: Hasher,
+    by: AdminActor,
+    tenant_id: str,
+    name: str,
+    expires_in_seconds: int | None,
+) -> KeyCreated:
+    """Issue a tenant key, expiring after ``expires_in_seconds`` (``None``: never).
+
+    Raises:
+        InvalidRequest: ``expires_in_seconds`` is not positive.
+        NotFound: Unknown tenant.
+        AuditUnavailableError: The change could not be audited; no key was issued.
+    """
+    row, token = await _add_key(session, hasher, tenant_id, name, expires_in_seconds)
+    await by.commit(session, KEY_CREATED, tenant_id=tenant_id, key_id=row.id)
     return KeyCreated(key=token, info=key_to_schema(row))
 
 
@@ -120,28 +138,31 @@ async def list_keys(session: AsyncSession, tenant_id: str) -> list[KeyOut]:
     return [key_to_schema(k) for k in rows]
 
 
-async def revoke_key(session: AsyncSession, tenant_id: str, key_id: str) -> KeyOut:
+async def revoke_key(session: AsyncSession, by: AdminActor, tenant_id: str, key_id: str) -> KeyOut:
+    """Revoke a key, effective on its next request (revoking a revoked key changes nothing but is
+    recorded all the same)."""
     row = await _get_key(session, tenant_id, key_id)
     if row.revoked_at is None:
         row.revoked_at = utcnow()
-    await session.commit()
+    await by.commit(session, KEY_REVOKED, tenant_id=tenant_id, key_id=key_id)
     return key_to_schema(row)
 
 
 async def rotate_key(
-    session: AsyncSession, hasher: Hasher, tenant_id: str, key_id: str, overlap_seconds: int
+    session: AsyncSession, hasher: Hasher, by: AdminActor, tenant_id: str, key_id: str, overlap_seconds: int
 ) -> KeyCreated:
-    """Issue a successor key; the old one keeps working for ``overlap_seconds`` and then expires."""
+    """Issue a successor key; the old one keeps working for ``overlap_seconds`` and then expires. The
+    successor and the old key's expiry commit together, with one ``admin.key_rotated`` event."""
     old = await _get_key(session, tenant_id, key_id)
     if old.revoked_at is not None:
         raise NotFound("The key is revoked.", code="key_revoked")
-    created = await create_key(session, hasher, tenant_id, old.name, None)
+    row, token = await _add_key(session, hasher, tenant_id, old.name, None)
     cutoff = utcnow() + timedelta(seconds=overlap_seconds)
     old_expiry = as_utc(old.expires_at)
     old.expires_at = cutoff if old_expiry is None else min(old_expiry, cutoff)
-    old.rotated_to = created.info.id
-    await session.commit()
-    return created
+    old.rotated_to = row.id
+    await by.commit(session, KEY_ROTATED, tenant_id=tenant_id, key_id=key_id, new_key_id=row.id)
+    return KeyCreated(key=token, info=key_to_schema(row))
 
 
 def new_admin_token(

@@ -1,4 +1,4 @@
-"""Tenants and their versioned policies."""
+"""Tenants and their versioned policies; every change committed with its audit event."""
 
 from __future__ import annotations
 
@@ -12,8 +12,14 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from gateway.clock import as_utc, utcnow
 from gateway.errors import Conflict, NotFound
 from gateway.schemas.admin import PolicyOut, TenantOut
+from gateway.services.admin_audit import AdminActor
 from gateway.storage.models import PolicyVersion, Tenant
 from policies import Policy
+
+TENANT_CREATED = "admin.tenant_created"
+TENANT_DISABLED = "admin.tenant_disabled"
+TENANT_ENABLED = "admin.tenant_enabled"
+POLICY_CHANGED = "admin.policy_changed"
 
 
 def tenant_to_schema(t: Tenant) -> TenantOut:
@@ -31,7 +37,13 @@ def policy_to_schema(p: PolicyVersion) -> PolicyOut:
     )
 
 
-async def create_tenant(session: AsyncSession, name: str, policy: Policy, changed_by: str) -> TenantOut:
+async def create_tenant(session: AsyncSession, by: AdminActor, name: str, policy: Policy) -> TenantOut:
+    """Create a tenant with ``policy`` as its version 1.
+
+    Raises:
+        Conflict: The name is taken (409).
+        AuditUnavailableError: The change could not be audited; nothing was created.
+    """
     tenant = Tenant(id=secrets.token_hex(8), name=name, is_disabled=False, created_at=utcnow())
     session.add(tenant)
     try:
@@ -44,12 +56,12 @@ async def create_tenant(session: AsyncSession, name: str, policy: Policy, change
             tenant_id=tenant.id,
             version=1,
             body=policy.model_dump_json(),
-            changed_by=changed_by,
+            changed_by=by.id,
             comment="initial",
             created_at=utcnow(),
         )
     )
-    await session.commit()
+    await by.commit(session, TENANT_CREATED, tenant_id=tenant.id)
     return tenant_to_schema(tenant)
 
 
@@ -69,10 +81,11 @@ async def list_tenants(session: AsyncSession) -> list[TenantOut]:
     return [tenant_to_schema(t) for t in rows]
 
 
-async def set_disabled(session: AsyncSession, tenant_id: str, is_disabled: bool) -> TenantOut:
+async def set_disabled(session: AsyncSession, by: AdminActor, tenant_id: str, is_disabled: bool) -> TenantOut:
+    """Disable (its keys stop working on their next request) or re-enable a tenant."""
     tenant = await get_tenant_row(session, tenant_id)
     tenant.is_disabled = is_disabled
-    await session.commit()
+    await by.commit(session, TENANT_DISABLED if is_disabled else TENANT_ENABLED, tenant_id=tenant_id)
     return tenant_to_schema(tenant)
 
 
@@ -115,13 +128,18 @@ async def policy_history(session: AsyncSession, tenant_id: str) -> list[PolicyOu
 
 async def put_policy(
     session: AsyncSession,
+    by: AdminActor,
     tenant_id: str,
     policy: Policy,
-    changed_by: str,
     comment: str,
     expected_version: int | None = None,
 ) -> PolicyOut:
-    """Append a new policy version; the (tenant, version) unique constraint makes racing writers conflict."""
+    """Append a new policy version; the (tenant, version) unique constraint makes racing writers conflict.
+
+    Raises:
+        NotFound: Unknown tenant (404).
+        Conflict: ``expected_version`` is stale, or another writer won the race (409).
+    """
     await get_tenant_row(session, tenant_id)
     latest = (
         await session.scalar(
@@ -135,13 +153,13 @@ async def put_policy(
         tenant_id=tenant_id,
         version=latest + 1,
         body=policy.model_dump_json(),
-        changed_by=changed_by,
+        changed_by=by.id,
         comment=comment,
         created_at=utcnow(),
     )
     session.add(row)
     try:
-        await session.commit()
+        await by.commit(session, POLICY_CHANGED, tenant_id=tenant_id, version=row.version)
     except IntegrityError as e:
         await session.rollback()
         raise Conflict("The policy was changed concurrently; retry.", code="version_conflict") from e

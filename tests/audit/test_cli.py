@@ -10,6 +10,7 @@ from typer.testing import CliRunner
 
 from audit.store import AuditStore
 from gateway.cli import app
+from gateway.cli.common import cli_actor
 from tests.audit.conftest import append_events
 
 
@@ -111,7 +112,7 @@ async def _after(data_dir: Path, kept: str) -> tuple[list[str], int]:
         with pytest.raises(RecordUnreadable):
             await RetentionStore(store.engine, resolve_master_key(data_dir)).get("t1", kept)
         async with store.engine.connect() as conn:
-            q = select(audit_events.c.name).where(audit_events.c.actor == "cli")
+            q = select(audit_events.c.name).where(audit_events.c.actor == cli_actor())
             names = (await conn.execute(q)).all()
             left = (await conn.execute(select(func.count()).select_from(retained_prompts))).scalar_one()
     finally:

@@ -16,7 +16,9 @@ from litestar.testing import AsyncTestClient
 from sqlalchemy import text
 
 from gateway.app import create_app
+from gateway.audit_hook import AuditHook
 from gateway.services import keys, tenants
+from gateway.services.admin_audit import AdminActor
 from gateway.settings import Settings
 from gateway.storage import migrate
 from gateway.storage.db import make_db_engine
@@ -26,6 +28,9 @@ from policies import Policy
 PG_HOST = os.environ.get("KVGATE_TEST_PG_HOST", "127.0.0.1")
 PG_PORT = int(os.environ.get("KVGATE_TEST_PG_PORT", "5432"))
 PG_USERS = ("postgres", "root")
+# The author of set-up changes (a test's tenants and keys, not its subject): their events go nowhere, so
+# the audit trail and the logs hold only what the test itself does.
+SETUP = AdminActor(AuditHook(lambda name, fields: None), "test")
 
 
 def run_sync(coro_fn: Callable[[], object]) -> object:
@@ -186,11 +191,9 @@ class Gateway:
         """Create a tenant (+ policy) and one key directly through the services; returns (tenant_id, key)."""
         rt = self.runtime
         async with rt.sessionmaker() as s:
-            t = await tenants.create_tenant(
-                s, name or f"t-{secrets.token_hex(4)}", policy or Policy(), "test"
-            )
+            t = await tenants.create_tenant(s, SETUP, name or f"t-{secrets.token_hex(4)}", policy or Policy())
         async with rt.sessionmaker() as s:
-            created = await keys.create_key(s, rt.hasher, t.id, "k", None)
+            created = await keys.create_key(s, rt.hasher, SETUP, t.id, "k", None)
         return t.id, created.key
 
 

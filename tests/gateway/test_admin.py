@@ -9,7 +9,7 @@ import pytest
 from gateway.errors import InvalidRequest
 from gateway.services import keys
 
-from .conftest import open_gateway
+from .conftest import SETUP, open_gateway
 
 
 @pytest.fixture
@@ -103,7 +103,7 @@ async def test_a_key_expiry_of_zero_or_less_is_refused_not_never(agw, seconds):
     assert r.status_code == 400 and r.json()["error"]["param"] == "expires_in_seconds"
     async with rt.sessionmaker() as s:
         with pytest.raises(InvalidRequest, match="omit it for no expiry"):
-            await keys.create_key(s, rt.hasher, tid, "k", seconds)
+            await keys.create_key(s, rt.hasher, SETUP, tid, "k", seconds)
     from typer.testing import CliRunner
 
     from gateway.cli import app

@@ -8,6 +8,7 @@ import pytest
 from sqlalchemy import select, text
 
 from audit.tables import audit_events
+from gateway.cli.common import cli_actor
 from gateway.schemas.admin import ADMIN_READ, ADMIN_SCOPES, KEYS_WRITE, TOKENS_WRITE
 from gateway.services import keys
 
@@ -138,7 +139,8 @@ async def test_cli_token_lifecycle_is_audited(gw):
     assert (await gw.client.get("/admin/v1/tenants", headers=boot)).status_code == 401
     events = [(name, actor, data["target_id"]) for name, actor, data in await _token_events(gw)]
     created, revoked = "admin.admin_token_created", "admin.admin_token_revoked"
-    assert events == [(created, "cli", boot_id), (created, "cli", ro_id), (revoked, "cli", boot_id)]
+    cli = cli_actor()
+    assert events == [(created, cli, boot_id), (created, cli, ro_id), (revoked, cli, boot_id)]
 
 
 @pytest.mark.parametrize("args,message", [

@@ -18,7 +18,7 @@ from gateway.storage.models import UsageCounter
 from gateway.storage.txn import TxnRunner
 from policies import Policy
 
-from .conftest import make_settings
+from .conftest import SETUP, make_settings
 from .realserver import RealServer, max_in_flight, migrated_db, serve
 
 
@@ -40,7 +40,7 @@ def _reservation(q: QuotaService, tid: str, num_tokens: int, now: float) -> Rese
 async def _tenant(url: str, policy: Policy) -> str:
     engine = make_db_engine(url, null_pool=True)
     async with make_sessionmaker(engine)() as s:
-        t = await tenants.create_tenant(s, f"q{time.monotonic_ns()}", policy, "test")
+        t = await tenants.create_tenant(s, SETUP, f"q{time.monotonic_ns()}", policy)
     await engine.dispose()
     return t.id
 
