@@ -21,6 +21,9 @@ class ModelRunner:
         self.device = device
         self.tile_plan = None  # engine.determinism.TilePlan once batch_invariant is enabled
         self._offsets = torch.arange(block_size, device=device)
+        # The pool's last block is never allocated and stays zero (``engine.setup.load_model``): block
+        # tables are padded with it, so padding a kernel reads holds zeros, not another sequence's K/V.
+        self.null_block = kv_caches[0][0].shape[0] - 1
 
     def _slots(self, block_ids: list[int], start: int, end: int) -> torch.Tensor:
         """Flat cache slots of token positions [start, end) of a sequence."""
@@ -38,7 +41,7 @@ class ModelRunner:
             chunk = seqs[start:start + _DECODE_GROUP]
             ctx_lens = [s.num_computed_tokens + 1 for s in chunk]
             nb = -(-max(ctx_lens) // bs)
-            table = [s.block_ids[:nb] + [0] * (nb - len(s.block_ids[:nb])) for s in chunk]
+            table = [s.block_ids[:nb] + [self.null_block] * (nb - len(s.block_ids[:nb])) for s in chunk]
             mask = None
             if any(n != nb * bs for n in ctx_lens):
                 lens = torch.tensor(ctx_lens, device=self.device)
@@ -50,7 +53,7 @@ class ModelRunner:
     def _invariant_rows(self, bi: list[tuple[Sequence, int]], start: int) -> InvariantRows:
         """Rows of batch-invariant sequences: each token attends to positions [0, its own + 1)."""
         max_blocks = max(len(s.block_ids) for s, _ in bi)
-        tables = [s.block_ids + [0] * (max_blocks - len(s.block_ids)) for s, _ in bi]
+        tables = [s.block_ids + [self.null_block] * (max_blocks - len(s.block_ids)) for s, _ in bi]
         row_seq, row_ctx = [], []
         for i, (s, n) in enumerate(bi):
             row_seq += [i] * n

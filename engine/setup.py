@@ -50,8 +50,8 @@ class LoadedModel:
     model: LlamaForCausalLM
     model_config: ModelConfig
     tokenizer: object
-    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
-    num_blocks: int
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # num_blocks + 1 blocks: the last is the null block
+    num_blocks: int  # blocks the pool allocates
     max_model_len: int
     device: torch.device
     dtype: torch.dtype
@@ -86,9 +86,10 @@ def _num_blocks(config: EngineConfig, mc: ModelConfig, dtype: torch.dtype, devic
         budget = int(torch.cuda.mem_get_info(device)[0] * config.kv_cache_fraction)
     else:
         budget = int(psutil.virtual_memory().available * config.kv_cache_fraction)
-    n = budget // per_block
+    n = budget // per_block - 1  # the budget holds the null block too (see ``load_model``)
     if n < 1:
-        raise ValueError(f"KV cache budget of {budget} bytes holds no block ({per_block} bytes each)")
+        raise ValueError(f"KV cache budget of {budget} bytes holds no block ({per_block} bytes each, "
+                         f"and one more that is never allocated)")
     return n
 
 
@@ -163,7 +164,10 @@ def load_model(config: EngineConfig) -> LoadedModel:
     tokenizer = load_tokenizer(Path(config.tokenizer) if config.tokenizer else model_dir)
     kv_dtype = _kv_dtype(config, dtype, device)
     num_blocks = _num_blocks(config, mc, kv_dtype, device)
-    shape = (num_blocks, config.block_size, mc.num_kv_heads, mc.head_dim)
+    # One block more than the pool hands out: the last one, the null block (id ``num_blocks``), is never
+    # allocated, so nothing writes it and it stays zero. Block tables are padded with it, so a kernel
+    # that reads padding reads zeros, never another sequence's (possibly non-finite) K/V.
+    shape = (num_blocks + 1, config.block_size, mc.num_kv_heads, mc.head_dim)
     # Zeroed, not empty: a fresh pool must never expose memory this process used for something else.
     kv_caches = [(torch.zeros(shape, dtype=kv_dtype, device=device),
                   torch.zeros(shape, dtype=kv_dtype, device=device))

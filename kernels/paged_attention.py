@@ -31,8 +31,9 @@ class PrefillSpan:
 class DecodeGroup:
     """Decode rows [start, end) of the batch, with similar context lengths so padding stays small.
 
-    ``block_tables`` [g, nb] lists each row's blocks (padded with block 0); ``mask`` [g, 1, 1, nb * bs]
-    marks real context slots (None when every row fills all nb blocks exactly).
+    ``block_tables`` [g, nb] lists each row's blocks (padded with the null block, which is never allocated
+    and stays zero); ``mask`` [g, 1, 1, nb * bs] marks real context slots (None when every row fills all
+    nb blocks exactly).
     """
 
     start: int
@@ -104,6 +105,10 @@ def _decode_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     flat = group.block_tables.reshape(-1)
     k = _gather_blocks(k_cache, flat, 0).view(g, num_blocks * bs, num_kv_heads, head_dim)
     v = _gather_blocks(v_cache, flat, 1).view(g, num_blocks * bs, num_kv_heads, head_dim)
+    if group.mask is not None:
+        # Slots past a row's context get probability 0, but 0 * inf is NaN: the tail of a row's last block
+        # still holds whatever its previous owner wrote there, so zero those values before the product.
+        v.masked_fill_(~group.mask[:, 0, 0, :, None, None], 0)
     out = torch.empty(g, num_kv_heads, q.shape[2], head_dim, dtype=k.dtype, device=k.device)
     q = q.to(k.dtype)
     # One bmm pair per KV head on strided views: BLAS reads the [g, L, Dh] head slices in place, where a
@@ -117,7 +122,8 @@ def _decode_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 
 def _decode_rows(meta: AttentionMetadata, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every decode row's block table (padded with block 0, never read) and context length."""
+    """Every decode row's block table (the padding between groups is never read: these kernels stop at
+    each row's context length) and context length."""
     if meta.decode_rows is None:
         groups = meta.decode_groups
         width = max(g.block_tables.shape[1] for g in groups)
