@@ -10,6 +10,7 @@ from litestar.exceptions import HTTPException
 from sqlalchemy.exc import DBAPIError
 
 from gateway.audit_hook import AuditUnavailableError
+from gateway.storage.db import is_db_unavailable
 
 log = structlog.get_logger()
 
@@ -148,7 +149,9 @@ def _http_exception_handler(_: Request, exc: HTTPException) -> Response[Any]:
     )
 
 
-def _audit_unavailable_handler(_: Request, exc: Exception) -> Response[Any]:
+def _audit_unavailable_handler(request: Request, exc: Exception) -> Response[Any]:
+    if is_db_unavailable(exc):  # the trail's database is out of reach, not the trail broken
+        return _database_error_handler(request, exc)
     log.error("audit.unavailable", exc_info=exc)
     return error_response(
         503,
@@ -158,15 +161,15 @@ def _audit_unavailable_handler(_: Request, exc: Exception) -> Response[Any]:
     )
 
 
-def _database_error_handler(request: Request, exc: DBAPIError) -> Response[Any]:
-    """A lost database connection (its server restarted: the pool reconnects for the next request) is a
-    503 the client may retry; any other database error is a 500."""
-    if not exc.connection_invalidated:
+def _database_error_handler(request: Request, exc: Exception) -> Response[Any]:
+    """The database out of reach (a lost connection, its server down or restarting: the pool reconnects
+    for the next request) is a 503 the client may retry; any other database error is a 500."""
+    if not is_db_unavailable(exc):
         return _unhandled_handler(request, exc)
-    log.error("database.connection_lost", exc_info=exc)
+    log.error("database.unavailable", exc_info=exc)
     return error_response(
         503,
-        "The database connection was lost; retry the request.",
+        "The database is unavailable; retry the request.",
         "server_error",
         "database_unavailable",
         headers={"Retry-After": "1"},

@@ -15,6 +15,7 @@ of the window rows, and one UPDATE for all three windows.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from functools import lru_cache
@@ -210,6 +211,7 @@ class QuotaService:
         num_cached_tokens: int,
         *,
         then: TxnStep | None = None,
+        unless: Callable[[Connection], bool] | None = None,
     ) -> None:
         """Replace the reservation by actual usage and release the concurrency slot.
 
@@ -219,6 +221,8 @@ class QuotaService:
 
         Args:
             then: Runs in the same transaction (the request's ``request.finished`` audit event).
+            unless: Checked first in the transaction: when it returns true, nothing is done (a retried
+                settlement whose earlier try committed after all).
 
         Raises:
             Exception: The reservation itself did not commit (``reserve`` with ``is_early``): there is
@@ -235,6 +239,7 @@ class QuotaService:
             num_completion_tokens,
             num_cached_tokens,
             then,
+            unless,
             durable=False,
             inline=True,
         )
@@ -242,8 +247,10 @@ class QuotaService:
     @staticmethod
     def _settle(
         conn: Connection, r: Reservation, num_prompt: int, num_completion: int, num_cached: int,
-        then: TxnStep | None,
+        then: TxnStep | None, unless: Callable[[Connection], bool] | None = None,
     ) -> None:
+        if unless is not None and unless(conn):
+            return
         params = _params(r) | {
             "delta": num_prompt + num_completion - r.num_tokens,
             "num_prompt": num_prompt,

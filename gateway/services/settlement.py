@@ -3,18 +3,29 @@
 from __future__ import annotations
 
 import asyncio
+import time
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import anyio
 import structlog
+from sqlalchemy import Connection, bindparam, select
 
-from gateway.audit_hook import AuditUnavailableError
+from audit.tables import audit_events
+from gateway.audit_hook import AuditUnavailableError, TxnStep
 from gateway.runtime import Runtime
 from gateway.services import retention
 from gateway.services.admission import Admission
 from gateway.services.receipts import Receipt
+from gateway.storage.db import is_db_unavailable
 
 log = structlog.get_logger()
+# A settlement that found the database out of reach is retried for this long, the pauses between tries
+# doubling from the first to the second figure; then it is given up (logged as ``quota.settle_failed``:
+# the reservation stays counted, and the slot held until this gateway stops).
+SETTLE_RETRY_S = 300.0
+SETTLE_PAUSE_S = (0.25, 5.0)
 
 
 class Progress:
@@ -44,20 +55,72 @@ async def _maybe_retain(rt: Runtime, adm: Admission, last: Any) -> None:
 
 async def _settle_audited(rt: Runtime, adm: Admission, usage: tuple[int, int, int], fields: dict) -> None:
     """Settle and record ``request.finished`` in one transaction when the audit sink can join it. The
-    event is not required (the work is done), so when it cannot be recorded the settlement still is."""
+    event is not required (the work is done), so when it cannot be recorded the settlement still is.
+    When the database is out of reach, the settlement is retried in the background (``_settle_later``)."""
     try:
         step = rt.audit.step("request.finished", **fields)
     except AuditUnavailableError:  # already logged; settle anyway, and emit() below tries once more
         step = None
     try:
-        try:
-            await rt.quota.settle(adm.reservation, *usage, then=step)
-        except AuditUnavailableError:
-            await rt.quota.settle(adm.reservation, *usage)
+        await _settle_once(rt, adm, usage, step)
     except Exception as e:  # noqa: BLE001
-        log.error("quota.settle_failed", request_id=adm.request_id, error_type=type(e).__name__, exc_info=e)
+        if is_db_unavailable(e):
+            log.warning("quota.settle_deferred", request_id=adm.request_id, error_type=type(e).__name__)
+            rt.keep_finishing(asyncio.ensure_future(_settle_later(rt, adm, usage, step, fields)))
+            return
+        _log_failed(adm, e)
     if step is None:
         await rt.audit.emit("request.finished", required=False, **fields)
+
+
+async def _settle_once(rt: Runtime, adm: Admission, usage: tuple[int, int, int], step: TxnStep | None,
+                       unless: Callable[[Connection], bool] | None = None) -> None:
+    try:
+        await rt.quota.settle(adm.reservation, *usage, then=step, unless=unless)
+    except AuditUnavailableError as e:
+        if is_db_unavailable(e):  # the settlement cannot be written either
+            raise
+        await rt.quota.settle(adm.reservation, *usage, unless=unless)
+
+
+async def _settle_later(rt: Runtime, adm: Admission, usage: tuple[int, int, int], step: TxnStep | None,
+                        fields: dict) -> None:
+    """Retry a settlement that found the database out of reach, with growing pauses, until it is written
+    or ``SETTLE_RETRY_S`` has passed. A try that failed in its commit may have committed all the same (the
+    connection was lost before the answer came): with its ``request.finished`` event in the same
+    transaction, each later try first looks for that event and settles nothing twice."""
+    unless = None if step is None else partial(_is_finished, adm.principal.tenant_id, adm.request_id)
+    deadline, pause = time.monotonic() + SETTLE_RETRY_S, SETTLE_PAUSE_S[0]
+    while True:
+        await asyncio.sleep(pause)
+        try:
+            await _settle_once(rt, adm, usage, step, unless)
+            break
+        except Exception as e:  # noqa: BLE001
+            if not is_db_unavailable(e) or time.monotonic() + pause > deadline:
+                _log_failed(adm, e)
+                return
+        pause = min(2 * pause, SETTLE_PAUSE_S[1])
+    log.info("quota.settled_late", request_id=adm.request_id)
+    if step is None:
+        await rt.audit.emit("request.finished", required=False, **fields)
+
+
+def _log_failed(adm: Admission, e: Exception) -> None:
+    log.error("quota.settle_failed", request_id=adm.request_id, error_type=type(e).__name__, exc_info=e)
+
+
+_FINISHED = (
+    select(audit_events.c.seq)
+    .where(audit_events.c.tenant_id == bindparam("tid"), audit_events.c.request_id == bindparam("rid"),
+           audit_events.c.name == "request.finished")
+    .limit(1)
+)
+
+
+def _is_finished(tenant_id: str | None, request_id: str, conn: Connection) -> bool:
+    """Whether the request's ``request.finished`` event, and so its settlement, is already committed."""
+    return conn.execute(_FINISHED, {"tid": tenant_id, "rid": request_id}).first() is not None
 
 
 async def finish(rt: Runtime, adm: Admission, progress: Progress) -> None:

@@ -17,6 +17,10 @@ from sqlalchemy.pool import NullPool
 # transaction fails, and SQLAlchemy invalidates the pool, so the next ones reconnect).
 IDLE_PING_S = 5.0
 _CHECKED_IN_AT = "kvgate_checked_in_at"
+# SQLSTATEs of a PostgreSQL server that is going away or not there yet: the connection failures (class
+# 08), and a shutdown or start-up under way (57P01 admin_shutdown, 57P02 crash_shutdown, 57P03
+# cannot_connect_now). Like a lost connection, each passes once the server is back.
+_UNAVAILABLE_STATES = ("08", "57P01", "57P02", "57P03")
 
 
 def default_db_url(data_dir: Path) -> str:
@@ -56,15 +60,49 @@ def make_db_engine(url: str, *, null_pool: bool = False) -> AsyncEngine:
         engine = create_async_engine(url, poolclass=NullPool)
         if is_sqlite(url):
             event.listen(engine.sync_engine, "connect", sqlite_pragmas)
-        return engine
+            return engine
+        return _watch_availability(engine)
     if is_sqlite(url):
         engine = create_async_engine(url, pool_size=5, max_overflow=10)
         event.listen(engine.sync_engine, "connect", sqlite_pragmas)
         return engine
-    engine = create_async_engine(url, pool_size=10, max_overflow=20)
+    engine = _watch_availability(create_async_engine(url, pool_size=10, max_overflow=20))
     event.listen(engine.sync_engine.pool, "checkin", _note_checkin)
     event.listen(engine.sync_engine.pool, "checkout", _ping_if_idle)
     return engine
+
+
+def _watch_availability(engine: AsyncEngine) -> AsyncEngine:
+    """Make every sign that the PostgreSQL server is out of reach a ``DBAPIError`` with
+    ``connection_invalidated`` (``is_db_unavailable``), as SQLAlchemy already makes a connection lost
+    mid-statement: a refused connect (a raw ``OSError`` from asyncpg otherwise) and a server shutting
+    down or starting up (otherwise a plain database error, which the gateway answers with a 500)."""
+    event.listen(engine.sync_engine, "do_connect", _connect)
+    event.listen(engine.sync_engine, "handle_error", _mark_unavailable)
+    return engine
+
+
+def _connect(dialect: Any, _record: Any, cargs: Any, cparams: Any) -> Any:
+    try:
+        return dialect.connect(*cargs, **cparams)
+    except OSError as e:  # refused, unreachable, timed out (TimeoutError is an OSError)
+        raise exc.OperationalError("connect", None, e, connection_invalidated=True) from e
+
+
+def _mark_unavailable(context: Any) -> None:
+    state = getattr(context.original_exception, "sqlstate", None) or ""
+    if state.startswith(_UNAVAILABLE_STATES):
+        context.is_disconnect = True
+
+
+def is_db_unavailable(error: BaseException | None) -> bool:
+    """Whether ``error``, or an error that caused it, is the database out of reach (its server down,
+    restarting or the connection lost): a condition that passes, so a client may retry."""
+    while error is not None:
+        if isinstance(error, exc.DBAPIError) and error.connection_invalidated:
+            return True
+        error = error.__cause__
+    return False
 
 
 def _note_checkin(dbapi_conn: Any, record: Any) -> None:

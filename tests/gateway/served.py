@@ -43,7 +43,9 @@ class Served:
     def make_tenant(self, name: str) -> tuple[str, str]:
         """A new tenant named ``name``: its id and a key of it."""
         with self.admin() as admin:
-            tenant = admin.post("/admin/v1/tenants", json={"name": name}).json()
+            r = admin.post("/admin/v1/tenants", json={"name": name})
+            assert r.status_code == 201, r.text
+            tenant = r.json()
             key = admin.post(f"/admin/v1/tenants/{tenant['id']}/keys", json={"name": "k"}).json()["key"]
         return tenant["id"], key
 
@@ -77,11 +79,11 @@ class Served:
 
 
 @contextmanager
-def serve(data_dir: Path, model_dir: Path, *args: str) -> Iterator[Served]:
+def serve(data_dir: Path, model_dir: Path, *args: str, env: dict[str, str] | None = None) -> Iterator[Served]:
     """``kvgate serve --model model_dir *args`` on a free loopback port, bootstrapped, until the block
-    ends."""
+    ends; ``env`` adds to its environment (and the bootstrap's: ``KVGATE_DB_URL``, say)."""
     port = free_port()
-    env = os.environ | {"KVGATE_DATA_DIR": str(data_dir), "KVGATE_LOG_JSON": "true"}
+    env = os.environ | {"KVGATE_DATA_DIR": str(data_dir), "KVGATE_LOG_JSON": "true"} | (env or {})
     with open(data_dir / "serve.log", "wb") as log:
         proc = subprocess.Popen([*KVGATE, "serve", "--port", str(port), "--model", str(model_dir), *args],
                                 env=env, stdout=log, stderr=subprocess.STDOUT)
