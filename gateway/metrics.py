@@ -37,6 +37,11 @@ class _EngineCollector(Collector):
         yield GaugeMetricFamily(
             "kvgate_engine_preemptions", "Preemptions so far", value=getattr(s, "num_preemptions", 0)
         )
+        yield GaugeMetricFamily(
+            "kvgate_engine_generated_tokens_per_second",
+            "Tokens generated per second over the last ~10 s of engine steps",
+            value=getattr(s, "tokens_per_second", 0.0),
+        )
 
 
 class _AdmissionCollector(Collector):

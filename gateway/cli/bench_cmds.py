@@ -87,23 +87,56 @@ def bench_chat_tokenize(
 
 @bench_app.command("soak")
 def bench_soak(
-    streams: int = typer.Option(48, help="Concurrent streaming clients, each sending one chat after another"),
-    duration_s: float = typer.Option(120.0, help="Seconds per round"),
+    minutes: float = typer.Option(None, help="Mixed traffic for this many minutes (several tenants, one with "
+                                             "tight limits; streamed and whole chats; clients leaving "
+                                             "mid-stream) instead of rounds of streams"),
+    overload: float = typer.Option(1.0, help="With --minutes: requests offered per second, as a multiple of "
+                                             "the capacity measured first (2: twice what the engine serves)"),
+    calibrate_s: float = typer.Option(120.0, help="With --minutes: seconds of measuring the capacity first "
+                                                  "(closed loop, max_num_seqs clients; not in the minutes)"),
+    sample_s: float = typer.Option(5.0, help="With --minutes: seconds between samples of RSS and /metrics"),
+    abort_fraction: float = typer.Option(0.1, help="With --minutes: share of streams whose client leaves"),
+    tight_fraction: float = typer.Option(0.15, help="With --minutes: share of requests from the tenant with "
+                                                    "tight limits (2 at once, ~4 requests' tokens a minute)"),
+    rss_growth_limit: float = typer.Option(0.2, help="With --minutes: fail when the last interval's RSS is "
+                                                     "more than this fraction above the first minute's"),
+    streams: int = typer.Option(48, help="Rounds: concurrent streaming clients, each sending one chat after "
+                                         "another"),
+    duration_s: float = typer.Option(120.0, help="Rounds: seconds per round"),
     rounds: int = typer.Option(3, help="Rounds in a row against the same server"),
-    max_tokens: int = typer.Option(256, help="max_tokens of every chat"),
-    prompt_words: int = typer.Option(350, help="Words of real prose per prompt"),
+    max_tokens: int = typer.Option(256, help="max_tokens of every chat (with --minutes: the largest, uniform "
+                                             "from a quarter of it)"),
+    prompt_words: int = typer.Option(350, help="Words of real prose per prompt (with --minutes: the most)"),
     temperature: float = typer.Option(1.0, help="Sampling temperature (OpenAI's default is 1)"),
     model: str = typer.Option(None, help="Model directory or .gguf (default model)"),
     dtype: str = typer.Option(None, help="The server's dtype (its default if unset)"),
-    out: str = typer.Option("bench-results/soak.json", help="Where to write the JSON results"),
+    max_num_seqs: int = typer.Option(None, help="The server's max_num_seqs (its default if unset)"),
+    out: str = typer.Option("bench-results/soak.json", help="Where to write the JSON results (with "
+                                                             "--minutes, the plot goes beside it as .png)"),
     seed: int = typer.Option(0),
 ) -> None:
-    """Streaming chats flooding `kvgate serve` as `make serve` starts it; the verdict: did any fail."""
+    """Streaming chats flooding `kvgate serve` as `make serve` starts it; the verdict: did any fail. With
+    --minutes, mixed traffic at --overload times the measured capacity, sampling the server's memory: exits
+    1 on any error (anything but ok, 429, 503 engine_overloaded and the planned aborts) or RSS growth over
+    the limit."""
+    overrides = {k: v for k, v in {"model": model, "dtype": dtype, "max_num_seqs": max_num_seqs}.items()
+                 if v is not None}
+    if minutes is not None:
+        from bench.soak_report import report
+        from bench.soak_timed import TimedSoakConfig, run_timed_soak
+        from bench.soak_traffic import TrafficMix
+
+        mix = TrafficMix(max_tokens, prompt_words, abort_fraction=abort_fraction,
+                         tight_fraction=tight_fraction, temperature=temperature)
+        cfg = TimedSoakConfig(minutes, overload, calibrate_s, sample_s, rss_growth_limit=rss_growth_limit,
+                              seed=seed, mix=mix)
+        if not report(run_timed_soak(cfg, overrides), out)["verdict"]["is_clean"]:
+            raise typer.Exit(1)
+        return
     from bench.soak import SoakConfig, run_soak
 
-    cfg = SoakConfig(streams, duration_s, rounds, max_tokens, prompt_words, temperature, seed)
-    overrides = {k: v for k, v in {"model": model, "dtype": dtype}.items() if v is not None}
-    rows = run_soak(cfg, overrides, out)
+    cfg_rounds = SoakConfig(streams, duration_s, rounds, max_tokens, prompt_words, temperature, seed)
+    rows = run_soak(cfg_rounds, overrides, out)
     if any(r.failures or not r.is_ready_after for r in rows):
         raise typer.Exit(1)
 
