@@ -22,6 +22,7 @@ from gateway.controllers.health import healthz, metrics, readyz
 from gateway.controllers.openai import OpenAIController
 from gateway.deps import provide_principal, provide_runtime, provide_session
 from gateway.errors import exception_handlers
+from gateway.openapi import complete_openapi
 from gateway.runtime import Runtime
 from gateway.settings import Settings, get_settings
 
@@ -42,6 +43,8 @@ class GatewayPlugin(InitPluginProtocol):
         app_config.openapi_config = OpenAPIConfig(
             title="kvgate", version="0.1.0", use_handler_docstrings=True
         )
+        # Litestar builds the document from what it sees; this adds what it does not (gateway/openapi.py).
+        app_config.on_startup.append(complete_openapi)
         return app_config
 
     def _configure_routes(self, cfg: AppConfig) -> None:

@@ -9,6 +9,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from gateway.body import parse_body
 from gateway.guards import requires_admin
+from gateway.openapi import Body, Reply, route_doc
 from gateway.runtime import Runtime
 from gateway.schemas.admin import (
     AdminTokenCreate,
@@ -35,11 +36,14 @@ def _by(runtime: Runtime, principal: Principal) -> AdminActor:
     return AdminActor(runtime.audit, principal.key_id)
 
 
+_USAGE = Reply("Usage rows: JSON, or CSV with format=csv.", (Body(list[UsageRow]), Body(str, "text/csv")))
+
+
 class AdminController(Controller):
     path = "/admin/v1"
     guards = [requires_admin]
 
-    @post("/tenants", status_code=201)
+    @post("/tenants", status_code=201, opt=route_doc(request=TenantCreate, errors=(409,)))
     async def create_tenant(
         self, request: Request, session: AsyncSession, runtime: Runtime, principal: Principal
     ) -> TenantOut:
@@ -72,7 +76,11 @@ class AdminController(Controller):
         """Re-enable a disabled tenant."""
         return await tenants.set_disabled(session, _by(runtime, principal), tenant_id, False)
 
-    @post("/tenants/{tenant_id:str}/keys", status_code=201)
+    @post(
+        "/tenants/{tenant_id:str}/keys",
+        status_code=201,
+        opt=route_doc(request=KeyCreate, is_request_optional=True),
+    )
     async def create_key(
         self, request: Request, session: AsyncSession, runtime: Runtime, principal: Principal, tenant_id: str
     ) -> KeyCreated:
@@ -95,7 +103,11 @@ class AdminController(Controller):
         """Revoke a key, effective on its next request."""
         return await keys.revoke_key(session, _by(runtime, principal), tenant_id, key_id)
 
-    @post("/tenants/{tenant_id:str}/keys/{key_id:str}/rotate", status_code=201)
+    @post(
+        "/tenants/{tenant_id:str}/keys/{key_id:str}/rotate",
+        status_code=201,
+        opt=route_doc(request=KeyRotate, is_request_optional=True),
+    )
     async def rotate_key(
         self,
         request: Request,
@@ -120,7 +132,7 @@ class AdminController(Controller):
         """Every policy version, oldest first, with who changed it."""
         return await tenants.policy_history(session, tenant_id)
 
-    @put("/tenants/{tenant_id:str}/policy")
+    @put("/tenants/{tenant_id:str}/policy", opt=route_doc(request=PolicyPut, errors=(409,)))
     async def put_policy(
         self, request: Request, session: AsyncSession, runtime: Runtime, principal: Principal, tenant_id: str
     ) -> PolicyOut:
@@ -131,7 +143,7 @@ class AdminController(Controller):
             session, by, tenant_id, body.policy, body.comment, body.expected_version
         )
 
-    @get("/tenants/{tenant_id:str}/usage")
+    @get("/tenants/{tenant_id:str}/usage", opt=route_doc(responses={200: _USAGE}))
     async def get_usage(
         self,
         session: AsyncSession,
@@ -152,7 +164,7 @@ class AdminController(Controller):
         """List every admin token with its scopes and expiry (never the tokens themselves)."""
         return await admin_tokens.list_tokens(session)
 
-    @post("/admin-tokens", status_code=201)
+    @post("/admin-tokens", status_code=201, opt=route_doc(request=AdminTokenCreate))
     async def create_admin_token(
         self, request: Request, session: AsyncSession, runtime: Runtime, principal: Principal
     ) -> AdminTokenCreated:

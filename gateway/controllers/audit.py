@@ -7,17 +7,20 @@ from litestar.response import Stream
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from gateway.guards import requires_admin, requires_scope
+from gateway.openapi import Body, Reply, route_doc
 from gateway.runtime import Runtime
 from gateway.schemas.audit import PurgeOut, RetainedInfo, RetainedRecordOut, ShredOut
 from gateway.services import audit_export, retention
 from gateway.services.keys import RETENTION_READ, Principal
+
+_TAR = "application/x-tar"
 
 
 class AuditController(Controller):
     path = "/admin/v1"
     guards = [requires_admin]
 
-    @get("/audit/export")
+    @get("/audit/export", opt=route_doc(responses={200: Reply("The signed bundle.", (Body(bytes, _TAR),))}))
     async def export(
         self,
         session: AsyncSession,

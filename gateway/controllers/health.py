@@ -5,10 +5,19 @@ from __future__ import annotations
 from litestar import Response, get
 
 from gateway.guards import requires_admin
+from gateway.openapi import Body, Reply, route_doc
 from gateway.runtime import Runtime
+from gateway.schemas.responses import Health, Readiness
+
+_READINESS = Body(Readiness)
 
 
-@get("/healthz", exclude_from_auth=True, sync_to_thread=False)
+@get(
+    "/healthz",
+    exclude_from_auth=True,
+    sync_to_thread=False,
+    opt=route_doc(responses={200: Reply("Alive.", (Body(Health),))}),
+)
 def healthz() -> dict[str, str]:
     """Liveness: the process answers.
 
@@ -18,7 +27,11 @@ def healthz() -> dict[str, str]:
     return {"status": "ok"}
 
 
-@get("/readyz", exclude_from_auth=True)
+@get(
+    "/readyz",
+    exclude_from_auth=True,
+    opt=route_doc(responses={200: Reply("Ready.", (_READINESS,)), 503: Reply("Not ready.", (_READINESS,))}),
+)
 async def readyz(runtime: Runtime) -> Response[dict]:
     """Readiness: the engine is serving (loaded, its process alive) and the database answers.
 
@@ -33,7 +46,12 @@ async def readyz(runtime: Runtime) -> Response[dict]:
     )
 
 
-@get("/metrics", guards=[requires_admin], sync_to_thread=False)
+@get(
+    "/metrics",
+    guards=[requires_admin],
+    sync_to_thread=False,
+    opt=route_doc(responses={200: Reply("Prometheus text format 0.0.4.", (Body(str, "text/plain"),))}),
+)
 def metrics(runtime: Runtime) -> Response[bytes]:
     """Prometheus exposition (admin token required).
 

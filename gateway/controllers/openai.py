@@ -12,8 +12,17 @@ from gateway.asgi_io import ClientGone, read_body, send_reply
 from gateway.auth import DEFER_AUTH_AUDIT
 from gateway.body import parse_body
 from gateway.guards import requires_tenant
+from gateway.openapi import Body, Reply, route_doc
 from gateway.runtime import Runtime
 from gateway.schemas.openai import ChatCompletionRequest, CompletionRequest
+from gateway.schemas.responses import (
+    ChatCompletion,
+    ChatCompletionChunk,
+    ModelCard,
+    ModelList,
+    TextCompletion,
+    TextCompletionChunk,
+)
 from gateway.services import completions
 
 
@@ -49,13 +58,28 @@ def _model_card(runtime: Runtime) -> dict[str, Any]:
     }
 
 
+def _completion_opt(request: type, whole: type, chunk: type) -> dict[str, Any]:
+    """The completion routes' ``opt``: their auth event deferred, and their OpenAPI description (Litestar
+    documents no ASGI handler): the body they parse, the reply, and 404 for an unknown model."""
+    reply = Reply(
+        f"A {whole.__name__}; with stream true, server-sent events: each data line a {chunk.__name__} "
+        f"(#/components/schemas/{chunk.__name__}), the last one [DONE].",
+        (Body(whole), Body(str, "text/event-stream", events=chunk)),
+    )
+    return {DEFER_AUTH_AUDIT: True, **route_doc(request=request, responses={200: reply}, errors=(404,))}
+
+
 class OpenAIController(Controller):
     path = "/v1"
     guards = [requires_tenant]
 
     # The two completion endpoints are ASGI handlers (``gateway.asgi_io`` says why): Litestar routes,
     # authenticates, guards and renders their errors, and they read the body and send the reply themselves.
-    @asgi("/chat/completions", opt={DEFER_AUTH_AUDIT: True}, copy_scope=False)
+    @asgi(
+        "/chat/completions",
+        opt=_completion_opt(ChatCompletionRequest, ChatCompletion, ChatCompletionChunk),
+        copy_scope=False,
+    )
     async def chat_completions(self, scope: Scope, receive: Receive, send: Send) -> None:
         """``POST``: create a chat completion (``stream: true`` for server-sent events).
 
@@ -70,7 +94,11 @@ class OpenAIController(Controller):
         """
         await _complete(scope, receive, send, ChatCompletionRequest, "chat")
 
-    @asgi("/completions", opt={DEFER_AUTH_AUDIT: True}, copy_scope=False)
+    @asgi(
+        "/completions",
+        opt=_completion_opt(CompletionRequest, TextCompletion, TextCompletionChunk),
+        copy_scope=False,
+    )
     async def text_completions(self, scope: Scope, receive: Receive, send: Send) -> None:
         """``POST``: create a text completion (legacy endpoint; ``stream: true`` for SSE).
 
@@ -84,7 +112,11 @@ class OpenAIController(Controller):
         """
         await _complete(scope, receive, send, CompletionRequest, "text")
 
-    @get("/models", sync_to_thread=False)
+    @get(
+        "/models",
+        sync_to_thread=False,
+        opt=route_doc(responses={200: Reply("The served model.", (Body(ModelList),))}),
+    )
     def list_models(self, runtime: Runtime) -> dict[str, Any]:
         """List the served model.
 
@@ -94,7 +126,11 @@ class OpenAIController(Controller):
         """
         return {"object": "list", "data": [_model_card(runtime)]}
 
-    @get("/models/{model_id:path}", sync_to_thread=False)
+    @get(
+        "/models/{model_id:path}",
+        sync_to_thread=False,
+        opt=route_doc(responses={200: Reply("The model.", (Body(ModelCard),))}),
+    )
     def get_model(self, runtime: Runtime, model_id: str) -> dict[str, Any]:
         """Retrieve one model.
 
