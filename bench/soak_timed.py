@@ -188,6 +188,7 @@ async def _offer(cfg: TimedSoakConfig, planner: Planner, keys: dict[str, str],
         cut = Result(start + due - t0, planned.tenant, planned.body["stream"], "error",
                      "unfinished at the drain deadline", 0.0)
         sent.append((cut, task))
+    await asyncio.sleep(max(0.0, start + duration - time.monotonic()))  # N minutes, whenever the last came
     stopped = time.monotonic() - t0
     tasks = [task for _, task in sent]
     done, pending = await asyncio.wait(tasks, timeout=cfg.drain_timeout_s) if tasks else (set(), set())

@@ -33,6 +33,7 @@ def test_a_short_timed_soak_accounts_for_every_request(tmp_path: Path, tiny_mode
     assert set(summary["outcomes"]) == set(OUTCOMES)
     assert sum(summary["outcomes"].values()) == summary["num_requests"] == len(results) > 0
     assert sum(summary["details"].values()) == summary["num_requests"] - summary["outcomes"]["ok"]
+    assert summary["seconds"] >= 0.3 * 60  # the offered load spans the minutes asked for, arrivals or not
     per_interval = [sum(row["outcomes"].values()) for row in summary["intervals"]]
     assert sum(per_interval) == len(results)  # every request arrived within the offered load's span
     for r in results:
