@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sqlite3
 from typing import Any
 
 import structlog
@@ -10,7 +11,7 @@ from litestar.exceptions import HTTPException
 from sqlalchemy.exc import DBAPIError
 
 from gateway.audit_hook import AuditUnavailableError
-from gateway.storage.db import is_db_unavailable
+from gateway.storage.db import is_db_full, is_db_unavailable
 
 log = structlog.get_logger()
 
@@ -150,7 +151,7 @@ def _http_exception_handler(_: Request, exc: HTTPException) -> Response[Any]:
 
 
 def _audit_unavailable_handler(request: Request, exc: Exception) -> Response[Any]:
-    if is_db_unavailable(exc):  # the trail's database is out of reach, not the trail broken
+    if is_db_unavailable(exc) or is_db_full(exc):  # the trail's database cannot be written, not broken
         return _database_error_handler(request, exc)
     log.error("audit.unavailable", exc_info=exc)
     return error_response(
@@ -161,19 +162,27 @@ def _audit_unavailable_handler(request: Request, exc: Exception) -> Response[Any
     )
 
 
+# code -> (message, Retry-After seconds) of the database errors that pass: the client may retry.
+_DATABASE_RETRY = {
+    "database_unavailable": ("The database is unavailable; retry the request.", 1),
+    "database_full": ("The database has no room to write (its disk is full); the request was not "
+                      "processed. Retry later.", 10),
+}
+
+
 def _database_error_handler(request: Request, exc: Exception) -> Response[Any]:
     """The database out of reach (a lost connection, its server down or restarting: the pool reconnects
-    for the next request) is a 503 the client may retry; any other database error is a 500."""
-    if not is_db_unavailable(exc):
+    for the next request) or full (its disk: nothing was written) is a 503 the client may retry; any
+    other database error is a 500."""
+    if is_db_unavailable(exc):
+        code = "database_unavailable"
+    elif is_db_full(exc):
+        code = "database_full"
+    else:
         return _unhandled_handler(request, exc)
-    log.error("database.unavailable", exc_info=exc)
-    return error_response(
-        503,
-        "The database is unavailable; retry the request.",
-        "server_error",
-        "database_unavailable",
-        headers={"Retry-After": "1"},
-    )
+    log.error(code.replace("_", "."), exc_info=exc)
+    message, retry_after_s = _DATABASE_RETRY[code]
+    return error_response(503, message, "server_error", code, headers={"Retry-After": str(retry_after_s)})
 
 
 def _unhandled_handler(_: Request, exc: Exception) -> Response[Any]:
@@ -186,5 +195,6 @@ exception_handlers = {
     GatewayError: _gateway_error_handler,
     HTTPException: _http_exception_handler,
     DBAPIError: _database_error_handler,
+    sqlite3.Error: _database_error_handler,  # raised unwrapped by the audit store's prepared statements
     Exception: _unhandled_handler,
 }

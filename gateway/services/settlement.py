@@ -18,10 +18,10 @@ from gateway.runtime import Runtime
 from gateway.services import retention
 from gateway.services.admission import Admission
 from gateway.services.receipts import Receipt
-from gateway.storage.db import is_db_unavailable
+from gateway.storage.db import is_db_transient
 
 log = structlog.get_logger()
-# A settlement that found the database out of reach is retried for this long, the pauses between tries
+# A settlement that found the database out of reach or full is retried for this long, the pauses between tries
 # doubling from the first to the second figure; then it is given up (logged as ``quota.settle_failed``:
 # the reservation stays counted, and the slot held until this gateway stops).
 SETTLE_RETRY_S = 300.0
@@ -56,7 +56,8 @@ async def _maybe_retain(rt: Runtime, adm: Admission, last: Any) -> None:
 async def _settle_audited(rt: Runtime, adm: Admission, usage: tuple[int, int, int], fields: dict) -> None:
     """Settle and record ``request.finished`` in one transaction when the audit sink can join it. The
     event is not required (the work is done), so when it cannot be recorded the settlement still is.
-    When the database is out of reach, the settlement is retried in the background (``_settle_later``)."""
+    When the database is out of reach or full, the settlement is retried in the background
+    (``_settle_later``)."""
     try:
         step = rt.audit.step("request.finished", **fields)
     except AuditUnavailableError:  # already logged; settle anyway, and emit() below tries once more
@@ -64,7 +65,7 @@ async def _settle_audited(rt: Runtime, adm: Admission, usage: tuple[int, int, in
     try:
         await _settle_once(rt, adm, usage, step)
     except Exception as e:  # noqa: BLE001
-        if is_db_unavailable(e):
+        if is_db_transient(e):
             log.warning("quota.settle_deferred", request_id=adm.request_id, error_type=type(e).__name__)
             rt.keep_finishing(asyncio.ensure_future(_settle_later(rt, adm, usage, step, fields)))
             return
@@ -78,17 +79,17 @@ async def _settle_once(rt: Runtime, adm: Admission, usage: tuple[int, int, int],
     try:
         await rt.quota.settle(adm.reservation, *usage, then=step, unless=unless)
     except AuditUnavailableError as e:
-        if is_db_unavailable(e):  # the settlement cannot be written either
+        if is_db_transient(e):  # the settlement cannot be written either
             raise
         await rt.quota.settle(adm.reservation, *usage, unless=unless)
 
 
 async def _settle_later(rt: Runtime, adm: Admission, usage: tuple[int, int, int], step: TxnStep | None,
                         fields: dict) -> None:
-    """Retry a settlement that found the database out of reach, with growing pauses, until it is written
-    or ``SETTLE_RETRY_S`` has passed. A try that failed in its commit may have committed all the same (the
-    connection was lost before the answer came): with its ``request.finished`` event in the same
-    transaction, each later try first looks for that event and settles nothing twice."""
+    """Retry a settlement that found the database out of reach or full, with growing pauses, until it is
+    written or ``SETTLE_RETRY_S`` has passed. A try that failed in its commit may have committed all the
+    same (the connection was lost before the answer came): with its ``request.finished`` event in the
+    same transaction, each later try first looks for that event and settles nothing twice."""
     unless = None if step is None else partial(_is_finished, adm.principal.tenant_id, adm.request_id)
     deadline, pause = time.monotonic() + SETTLE_RETRY_S, SETTLE_PAUSE_S[0]
     while True:
@@ -97,7 +98,7 @@ async def _settle_later(rt: Runtime, adm: Admission, usage: tuple[int, int, int]
             await _settle_once(rt, adm, usage, step, unless)
             break
         except Exception as e:  # noqa: BLE001
-            if not is_db_unavailable(e) or time.monotonic() + pause > deadline:
+            if not is_db_transient(e) or time.monotonic() + pause > deadline:
                 _log_failed(adm, e)
                 return
         pause = min(2 * pause, SETTLE_PAUSE_S[1])

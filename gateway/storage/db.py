@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sqlite3
 import time
 from pathlib import Path
 from typing import Any
@@ -93,6 +94,24 @@ def _mark_unavailable(context: Any) -> None:
     state = getattr(context.original_exception, "sqlstate", None) or ""
     if state.startswith(_UNAVAILABLE_STATES):
         context.is_disconnect = True
+
+
+def is_db_full(error: BaseException | None) -> bool:
+    """Whether ``error``, or an error that caused it, is the database unable to grow: SQLite's
+    ``SQLITE_FULL`` (its disk is full; the transaction wrote nothing), whether SQLAlchemy wrapped it or not.
+    It passes once there is room again."""
+    while error is not None:
+        orig = error.orig if isinstance(error, exc.DBAPIError) else error
+        if isinstance(orig, sqlite3.Error) and (orig.sqlite_errorcode & 0xFF) == sqlite3.SQLITE_FULL:
+            return True
+        error = error.__cause__
+    return False
+
+
+def is_db_transient(error: BaseException | None) -> bool:
+    """Whether ``error`` is a database condition that passes by itself (``is_db_unavailable``,
+    ``is_db_full``): work that must be written is worth retrying."""
+    return is_db_unavailable(error) or is_db_full(error)
 
 
 def is_db_unavailable(error: BaseException | None) -> bool:

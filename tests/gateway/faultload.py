@@ -8,6 +8,7 @@ import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 
@@ -133,3 +134,41 @@ async def until(predicate: Callable[[], bool], what: str, timeout_s: float = DEA
     while not predicate():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         await asyncio.sleep(0.05)
+
+
+def num_refused(outcomes: list[Outcome], code: str) -> int:
+    """How many of ``outcomes`` were refused with a 503 ``code`` and a Retry-After; every other one must
+    be a whole answer (never a 500, never a stream cut short)."""
+    for out in outcomes:
+        if out.status == 503:
+            assert out.code == code and int(out.retry_after or 0) > 0, out
+        else:
+            assert out.is_ok, out
+    return sum(out.status == 503 for out in outcomes)
+
+
+async def through_a_fault(server: Served, keys: list[str], body: dict, num_workers: int, code: str,
+                          cause: Callable[[], Any], heal: Callable[[], Any]) -> tuple[Load, float]:
+    """Requests from ``num_workers`` clients; once each has had an answer, ``cause()`` (in a thread) a
+    fault, until ``num_workers`` requests were refused with ``code`` and every request under way when it
+    began has ended; then ``heal()`` it, until twice that many requests started since were answered.
+    Returns the load and when the fault began."""
+    load, stop = Load([], {}), asyncio.Event()
+    async with client(server) as c:
+        workers = [asyncio.create_task(keep_calling(c, keys, body, i, load, stop))
+                   for i in range(num_workers)]
+        try:
+            await until(lambda: sum(o.is_ok for o in load.outcomes) >= num_workers, "answers")
+            await asyncio.to_thread(cause)
+            began = time.monotonic()
+            await until(lambda: num_refused(load.outcomes, code) >= num_workers and load.is_past(began),
+                        f"refusals with {code}")
+            await asyncio.to_thread(heal)
+            healed = time.monotonic()
+            await until(lambda: sum(o.is_ok and o.started > healed for o in load.outcomes) >= 2 * num_workers,
+                        "answers once the fault is over")
+        finally:
+            stop.set()
+            await asyncio.gather(*workers)
+    num_refused(load.outcomes, code)
+    return load, began

@@ -108,3 +108,15 @@ def settled_ledgers(url: str, data_dir: Path, tenant_ids: list[str], timeout_s: 
     for ledger in ledgers.values():
         ledger.check()
     return ledgers
+
+
+def check_answers(ledgers: dict[str, Ledger], answered: dict[str, dict]) -> None:
+    """Every admitted request was answered, every answer (request id -> its usage) admitted, and each
+    settled with the tokens its answer reported."""
+    admitted = {rid for ledger in ledgers.values() for rid in ledger.admitted}
+    assert admitted == set(answered)
+    for ledger in ledgers.values():
+        for rid, (event,) in ledger.finished.items():
+            usage = answered[rid]
+            assert (event["num_prompt_tokens"], event["num_completion_tokens"]) == (
+                usage["prompt_tokens"], usage["completion_tokens"])

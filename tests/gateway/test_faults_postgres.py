@@ -15,10 +15,10 @@ from sqlalchemy.exc import DBAPIError
 from gateway.errors import exception_handlers
 from gateway.storage.db import make_db_engine, normalize_db_url
 
-from .faultload import SERVE_ARGS, Load, Outcome, chat, client, keep_calling, model_id, until
-from .ledger import settled_ledgers
+from .faultload import SERVE_ARGS, chat, model_id, through_a_fault
+from .ledger import check_answers, settled_ledgers
 from .private_pg import PrivatePostgres, missing_reason, private_postgres
-from .served import Served, serve
+from .served import serve
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.postgres]
 NUM_WORKERS = 8
@@ -34,60 +34,21 @@ def pg() -> PrivatePostgres:
         yield server
 
 
-def _num_refused(outcomes: list[Outcome]) -> int:
-    """How many of ``outcomes`` were refused for the outage; every other one must be a whole answer."""
-    for out in outcomes:
-        if out.status == 503:
-            assert out.code == "database_unavailable", out
-            assert int(out.retry_after or 0) > 0, out
-        else:
-            assert out.is_ok, out  # never a 500, never a stream cut short
-    return sum(out.status == 503 for out in outcomes)
-
-
-async def _through_an_outage(server: Served, pg: PrivatePostgres, keys: list[str]) -> tuple[Load, float]:
-    """Load, then the database server stopped until the gateway has refused requests for it and every
-    request generating when it stopped has ended, then started again; returns the load and when the
-    server was down."""
-    load, stop = Load([], {}), asyncio.Event()
-    body = chat(model_id(server, keys[0]), max_tokens=MAX_TOKENS, ignore_eos=True)
-    async with client(server) as c:
-        workers = [asyncio.create_task(keep_calling(c, keys, body, i, load, stop))
-                   for i in range(NUM_WORKERS)]
-        try:
-            await until(lambda: sum(o.is_ok for o in load.outcomes) >= NUM_WORKERS, "answers")
-            await asyncio.to_thread(pg.stop)
-            down, num_before = time.monotonic(), len(load.outcomes)
-            await until(lambda: _num_refused(load.outcomes[num_before:]) >= NUM_WORKERS
-                        and load.is_past(down), "refusals during the outage")
-            await asyncio.to_thread(pg.start)
-            back = time.monotonic()
-            await until(lambda: sum(o.is_ok and o.started > back for o in load.outcomes) >= 2 * NUM_WORKERS,
-                        "answers after the restart")
-        finally:
-            stop.set()
-            await asyncio.gather(*workers)
-    return load, down
-
-
 def test_a_postgresql_restart_under_load_is_503s_then_recovery_with_nothing_lost(
         tmp_path, tiny_model_dir, pg: PrivatePostgres) -> None:
+    """The server is stopped under load until the gateway has refused requests for it and every request
+    generating when it stopped has ended, then started again."""
     with serve(tmp_path, tiny_model_dir, *SERVE_ARGS, env={"KVGATE_DB_URL": pg.url}) as server:
         tenants = [server.make_tenant(f"pg-restart-{i}") for i in range(3)]
-        load, down = asyncio.run(_through_an_outage(server, pg, [key for _, key in tenants]))
-        _num_refused(load.outcomes)
+        keys = [key for _, key in tenants]
+        body = chat(model_id(server, keys[0]), max_tokens=MAX_TOKENS, ignore_eos=True)
+        load, down = asyncio.run(through_a_fault(server, keys, body, NUM_WORKERS, "database_unavailable",
+                                                 pg.stop, pg.start))
         ledgers = settled_ledgers(pg.url, tmp_path, [tid for tid, _ in tenants])
         assert "request.unhandled" not in server.log()
     # Requests generating when the database went down were answered, and settled once it was back.
     assert any(o.is_ok and o.started < down < o.ended for o in load.outcomes)
-    answered = {o.request_id: o.usage for o in load.outcomes if o.is_ok}
-    admitted = {rid for ledger in ledgers.values() for rid in ledger.admitted}
-    assert admitted == set(answered)  # every admitted request was answered, every answer admitted
-    for ledger in ledgers.values():
-        for rid, (event,) in ledger.finished.items():
-            usage = answered[rid]
-            assert (event["num_prompt_tokens"], event["num_completion_tokens"]) == (
-                usage["prompt_tokens"], usage["completion_tokens"])
+    check_answers(ledgers, {o.request_id: o.usage for o in load.outcomes if o.is_ok})
 
 
 async def _connect_error(url: str) -> DBAPIError | None:
