@@ -4,9 +4,10 @@ from engine.client import AsyncLLMEngine
 from engine.config import EngineConfig
 from engine.core import LLMEngine
 from engine.errors import InvalidRequestError, InvalidSamplingParamsError, ModelLoadError, PromptTooLongError
+from engine.fair import TenantShare
 from engine.request import CompletionOutput, RequestMetrics, RequestOutput, SamplingParams, TokenLogprobs
 from engine.stats import EngineStats
 
 __all__ = ["AsyncLLMEngine", "CompletionOutput", "EngineConfig", "EngineStats", "InvalidRequestError",
            "InvalidSamplingParamsError", "LLMEngine", "ModelLoadError", "PromptTooLongError",
-           "RequestMetrics", "RequestOutput", "SamplingParams", "TokenLogprobs"]
+           "RequestMetrics", "RequestOutput", "SamplingParams", "TenantShare", "TokenLogprobs"]

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from engine.determinism import MODES, check_mode
 
 _DTYPES = ("float32", "bfloat16", "float16")
-_POLICIES = ("fcfs", "priority")
+_POLICIES = ("fcfs", "priority", "fair")
 _SWITCHES = ("auto", "on", "off")
 
 
@@ -42,7 +42,12 @@ class EngineConfig:
         enable_prefix_caching: Reuse full KV blocks of identical prefixes within one cache namespace.
         zero_freed_blocks: Zero the K/V of a block freed without a hash (costs a memset per block).
         max_cached_blocks_per_namespace: Cap on evictable cached blocks one namespace may keep.
-        scheduling_policy: ``fcfs`` or ``priority`` (lower ``priority`` value runs first).
+        scheduling_policy: ``fcfs``, ``priority`` (lower ``priority`` value runs first) or ``fair``
+            (tenants share the batch by weight, priorities apply within a tenant; see
+            ``engine.scheduler.Scheduler``). Without tenant shares ``fair`` orders like ``priority``.
+        priority_aging_steps: A sequence that has waited this many engine steps goes ahead of every
+            priority, oldest first (``priority`` and ``fair``), so a low priority never waits forever;
+            0 turns aging off.
         num_threads: torch intra-op threads; ``None`` pins to the number of physical cores.
         seed: Seeds the sampling of requests that bring no seed of their own.
         cache_dir: Where converted models (and built C++ kernels) live; ``None`` uses ``$KVGATE_CACHE``
@@ -73,7 +78,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     zero_freed_blocks: bool = False
     max_cached_blocks_per_namespace: int | None = None
-    scheduling_policy: str = "fcfs"
+    scheduling_policy: str = "fair"
+    priority_aging_steps: int = 256
     num_threads: int | None = None
     seed: int = 0
     cache_dir: str | None = None
@@ -92,6 +98,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype must be 'auto' or one of {_DTYPES}")
         if self.scheduling_policy not in _POLICIES:
             raise ValueError(f"scheduling_policy must be one of {_POLICIES}")
+        if self.priority_aging_steps < 0:
+            raise ValueError("priority_aging_steps must be >= 0")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError("block_size must be a positive power of two")
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:

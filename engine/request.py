@@ -127,7 +127,8 @@ class Sequence:
                  "status", "num_computed_tokens", "num_cached_tokens", "block_ids", "priority",
                  "arrival_time", "first_scheduled_time", "first_token_time", "last_token_time",
                  "finish_time", "logprobs", "cache_namespace", "sample_seed", "max_len",
-                 "num_preemptions", "stop_reason", "token_times", "num_prefill_computed", "mode")
+                 "num_preemptions", "stop_reason", "token_times", "num_prefill_computed", "mode",
+                 "tenant")
 
     def __init__(self, seq_id: int, request_id: str, sample_index: int, prompt_token_ids: list[int],
                  params: SamplingParams, *, arrival_time: float, priority: int = 0,
@@ -158,6 +159,7 @@ class Sequence:
         self.num_preemptions = 0
         self.stop_reason: str | int | None = None
         self.mode = mode                    # determinism mode, resolved against the engine default
+        self.tenant = None                  # the scheduler's fair-share account (engine.fair.Tenant)
 
     @property
     def num_tokens(self) -> int:

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import bisect
 import time
-from collections import deque
 from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
+from engine.fair import DEFAULT_SHARE, Ledger, Tenant, TenantShare
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import RequestStatus, Sequence
 
@@ -28,98 +29,205 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    """Continuous batching with chunked prefill.
+    """Continuous batching with chunked prefill, under one of three policies.
 
-    Every step, running sequences go first (one decode token each, or their next prefill chunk), in
-    admission order; then waiting sequences are admitted while the token budget, ``max_num_seqs`` and
-    the KV pool allow. A long prompt therefore delays running decodes by at most one chunk. When the
-    pool runs dry, the most recently admitted running sequence (under ``priority``: the least urgent)
-    is preempted: its blocks are freed and it is requeued at the front for recompute.
+    Every step, running sequences go first (one decode token each, or their next prefill chunk); then
+    waiting sequences are admitted while the token budget, ``max_num_seqs`` and the KV pool allow. A long
+    prompt therefore delays running decodes by at most one chunk.
+
+    - ``fcfs``: waiting sequences run in arrival order.
+    - ``priority``: lower ``priority`` first, then arrival; a sequence that has waited
+      ``priority_aging_steps`` steps goes ahead of every priority (oldest first), so none waits forever.
+    - ``fair``: tenants (``TenantShare``) share the batch by weight (``engine.fair``): admission goes to
+      the waiting tenant with the lowest virtual time, a tenant under its share takes a batch slot back
+      from the one furthest over it, prefill chunks go to the lowest virtual time first, and a tenant's
+      ``max_kv_blocks`` caps what its running sequences hold. Priorities apply within a tenant.
+
+    When the pool runs dry the least urgent running sequence is preempted (``fcfs``: the latest admitted;
+    ``priority``: the highest priority value; ``fair``: of the tenant holding the most per weight), even
+    one already placed in this step's batch: its blocks are freed (its full blocks stay in the prefix
+    cache, so its recompute is mostly cache hits) and it waits again in its own place, by priority and
+    arrival. Every decision depends on arrivals and steps only, never on the clock, so ``fixed`` mode's
+    schedule stays a function of the arrival order.
     """
 
     def __init__(self, config: EngineConfig, kv: KVCacheManager) -> None:
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_num_seqs = config.max_num_seqs
-        self.by_priority = config.scheduling_policy == "priority"
+        self.policy = config.scheduling_policy
+        self.aging_steps = config.priority_aging_steps
         self.kv = kv
-        self.waiting: deque[Sequence] = deque()
+        self.ledger = Ledger()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.num_steps = 0
+        self._budget = 0
+        self._admitted_now: set[Sequence] = set()
+        self._enqueued: dict[int, int] = {}  # seq_id -> step it (re)joined the queue, for aging
         # seq_id -> leader whose prompt prefill the sequence waits for (n > 1 shares prompt blocks)
         self.leaders: dict[int, Sequence] = {}
 
-    def add(self, seq: Sequence, leader: Sequence | None = None) -> None:
+    # ---- queue ----------------------------------------------------------------------------------
+    def add(self, seq: Sequence, leader: Sequence | None = None, share: TenantShare | None = None) -> None:
         if leader is not None and self.kv.enable_prefix_caching:
             self.leaders[seq.seq_id] = leader
-        self.waiting.append(seq)
-        if self.by_priority:
-            self.waiting = deque(sorted(self.waiting, key=lambda s: (s.priority, s.arrival_time, s.seq_id)))
+        tenant = self.ledger.join((share or DEFAULT_SHARE) if self.policy == "fair" else DEFAULT_SHARE)
+        seq.tenant = tenant
+        self._enqueue(seq)
+
+    def _enqueue(self, seq: Sequence) -> None:
+        # kept in arrival order: under fcfs the head is the first entry that can start
+        bisect.insort(seq.tenant.waiting, seq, key=lambda s: (s.arrival_time, s.seq_id))
+        self._enqueued[seq.seq_id] = self.num_steps
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(len(t.waiting) for t in self.ledger.tenants.values())
 
     @property
     def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return self.num_waiting + len(self.running)
 
+    def _urgency(self, seq: Sequence) -> tuple:
+        """Sort key of a waiting sequence inside its tenant: smallest runs first."""
+        waited = self.num_steps - self._enqueued.get(seq.seq_id, self.num_steps)
+        if self.aging_steps and waited >= self.aging_steps:
+            return (0, 0, seq.arrival_time, seq.seq_id)  # overdue: ahead of any priority, oldest first
+        return (1, seq.priority, seq.arrival_time, seq.seq_id)
+
+    def _head(self, tenant: Tenant) -> Sequence | None:
+        """The tenant's most urgent waiting sequence that can start (not waiting on its leader)."""
+        ready = (s for s in tenant.waiting if not self._waits_on_leader(s))
+        if self.policy == "fcfs":
+            return next(ready, None)
+        return min(ready, key=self._urgency, default=None)
+
+    def _waits_on_leader(self, seq: Sequence) -> bool:
+        leader = self.leaders.get(seq.seq_id)
+        return (leader is not None and not leader.is_finished
+                and leader.num_computed_tokens < leader.prompt_len)  # its prompt blocks are not cached yet
+
+    # ---- one step -------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        self.num_steps += 1
         out = SchedulerOutput()
-        budget = self._schedule_running(out, self.max_num_batched_tokens)
+        self._budget = self.max_num_batched_tokens
+        self._admitted_now = set()
+        self._schedule_running(out)
         if not out.preempted:
-            self._schedule_waiting(out, budget)
+            self._schedule_waiting(out)
         return out
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
-        i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            while not self.kv.allocate_slots(seq, n):
-                victim = self._pick_victim(i)
-                self._preempt(victim, out)
-                if victim is seq:
-                    break
-            if seq.status is not RequestStatus.RUNNING:
-                continue  # seq was itself preempted; self.running shrank past it
-            out.scheduled.append((seq, n))
-            budget -= n
-            i += 1
-        return budget
+    def _running_order(self) -> list[Sequence]:
+        if self.policy != "fair":
+            return list(self.running)
+        # decodes first, in admission order; then prefill chunks, lowest virtual time first
+        return sorted(self.running, key=lambda s: (0.0, 0) if s.num_tokens - s.num_computed_tokens <= 1
+                      else (1.0, s.tenant.vtime))
 
-    def _pick_victim(self, first_unscheduled: int) -> Sequence:
-        # Only sequences not yet scheduled this step are candidates, so nothing already in the
-        # step's batch loses its blocks; the sequence being placed is the last resort.
-        candidates = self.running[first_unscheduled:]
-        if not self.by_priority:
-            return candidates[-1]
-        return max(candidates, key=lambda s: (s.priority, s.arrival_time, s.seq_id))
+    def _schedule_running(self, out: SchedulerOutput) -> None:
+        for seq in self._running_order():
+            if self._budget <= 0:
+                break
+            if seq.status is not RequestStatus.RUNNING:
+                continue  # preempted as a victim earlier in this step
+            n = min(seq.num_tokens - seq.num_computed_tokens, self._budget)
+            if self._make_room(seq, n, out):
+                self._place(seq, n, out)
+
+    def _place(self, seq: Sequence, n: int, out: SchedulerOutput) -> None:
+        out.scheduled.append((seq, n))
+        self._budget -= n
+        self.ledger.charge(seq.tenant, n)
+
+    def _over_cap(self, seq: Sequence, n: int) -> bool:
+        tenant: Tenant = seq.tenant
+        if tenant.max_kv_blocks is None or tenant.running == [seq] or not tenant.running:
+            return False
+        need = self.kv.blocks_needed(seq.num_computed_tokens + n) - len(seq.block_ids)
+        return need > 0 and tenant.num_blocks + need > tenant.max_kv_blocks
+
+    def _make_room(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
+        """Blocks for ``n`` more tokens of a running sequence, preempting until they fit; False when the
+        sequence itself was the one preempted."""
+        while True:
+            capped = self._over_cap(seq, n)
+            if not capped and self.kv.allocate_slots(seq, n):
+                return True
+            victim = self._pick_victim(seq.tenant.running if capped else self.running)
+            self._preempt(victim, out)
+            if victim is seq:
+                return False
+
+    def _least_urgent(self, seqs: list[Sequence]) -> Sequence:
+        if self.policy == "fcfs":
+            return max(seqs, key=lambda s: self.running.index(s))  # the latest admitted
+        return max(seqs, key=lambda s: (s.priority, s.arrival_time, s.seq_id))
+
+    def _pick_victim(self, candidates: list[Sequence]) -> Sequence:
+        if self.policy == "fair" and candidates is self.running:
+            tenant = max(self.ledger.tenants.values(), key=lambda t: (t.num_blocks / t.weight, t.key))
+            candidates = tenant.running or candidates
+        return self._least_urgent(candidates)
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        for i, (s, n) in enumerate(out.scheduled):
+            if s is seq:  # placed earlier in this step: take it out of the batch again
+                del out.scheduled[i]
+                self._budget += n
+                self.ledger.charge(seq.tenant, -n)
+                break
         self.running.remove(seq)
+        seq.tenant.running.remove(seq)
+        self.kv.cache_full_blocks(seq)
         self.kv.free(seq)
         seq.status = RequestStatus.PREEMPTED
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        self._enqueue(seq)
         out.preempted.append(seq)
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        skipped: list[Sequence] = []
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-            leader = self.leaders.get(seq.seq_id)
-            if (leader is not None and not leader.is_finished
-                    and leader.num_computed_tokens < leader.prompt_len):
-                skipped.append(self.waiting.popleft())  # its prompt blocks are not cached yet
-                continue
-            computed, num_cached = self.kv.get_computed_blocks(seq)
-            n = min(seq.num_tokens - num_cached, budget)
-            if not self.kv.allocate_slots(seq, n, computed):
-                break
-            self.waiting.popleft()
-            self.leaders.pop(seq.seq_id, None)
-            self._admit(seq, num_cached)
-            out.scheduled.append((seq, n))
-            budget -= n
-        self.waiting.extendleft(reversed(skipped))
+    def _schedule_waiting(self, out: SchedulerOutput) -> None:
+        done: set[bytes] = set()  # tenants that cannot start another sequence this step
+        while self._budget > 0:
+            tenant = self.ledger.next_waiting(done)
+            if tenant is None:
+                return
+            seq = self._head(tenant)
+            if seq is None or not self._admit_one(seq, out):
+                done.add(tenant.key)
+
+    def _admit_one(self, seq: Sequence, out: SchedulerOutput) -> bool:
+        if len(self.running) >= self.max_num_seqs and not self._take_slot_for(seq.tenant, out):
+            return False
+        computed, num_cached = self.kv.get_computed_blocks(seq)
+        n = min(seq.num_tokens - num_cached, self._budget)
+        if self._over_cap(seq, n + num_cached):
+            return False
+        while not self.kv.allocate_slots(seq, n, computed):
+            if not self._take_slot_for(seq.tenant, out):
+                return False
+        seq.tenant.waiting.remove(seq)
+        self.leaders.pop(seq.seq_id, None)
+        self._enqueued.pop(seq.seq_id, None)
+        self._admit(seq, num_cached)
+        self._admitted_now.add(seq)
+        self._place(seq, n, out)
+        return True
+
+    def _take_slot_for(self, tenant: Tenant, out: SchedulerOutput) -> bool:
+        """Under ``fair``: preempt one sequence of the tenant furthest over its share of the batch
+        slots, if ``tenant`` is under its own."""
+        if self.policy != "fair":
+            return False
+        giver = self.ledger.most_over_share(tenant, self.max_num_seqs)
+        # not one admitted in this very step: its admission would be wasted work
+        candidates = [s for s in giver.running if s not in self._admitted_now] if giver else []
+        if not candidates:
+            return False
+        self._preempt(self._least_urgent(candidates), out)
+        return True
 
     def _admit(self, seq: Sequence, num_cached: int) -> None:
         seq.status = RequestStatus.RUNNING
@@ -130,16 +238,28 @@ class Scheduler:
         if seq.first_scheduled_time is None:
             seq.first_scheduled_time = time.monotonic()
         self.running.append(seq)
+        seq.tenant.running.append(seq)
 
     def finish(self, seq: Sequence, status: RequestStatus) -> None:
         """Finished or aborted: free the blocks at once."""
+        tenant: Tenant = seq.tenant
         if seq in self.running:
             self.running.remove(seq)
-        elif seq in self.waiting:
-            self.waiting.remove(seq)
+            tenant.running.remove(seq)
+        elif seq in tenant.waiting:
+            tenant.waiting.remove(seq)
         self.leaders.pop(seq.seq_id, None)
+        self._enqueued.pop(seq.seq_id, None)
+        self.ledger.maybe_forget(tenant)
         seq.status = status
         seq.finish_time = time.monotonic()
         self.kv.cache_full_blocks(seq)
         self.kv.free(seq)
         self.kv.forget(seq)
+
+    def tenant_stats(self) -> dict[bytes, dict[str, int]]:
+        """Per busy tenant (``fair`` only): waiting and running sequences, KV blocks held."""
+        if self.policy != "fair":
+            return {}
+        return {t.key: {"waiting": len(t.waiting), "running": len(t.running), "kv_blocks": t.num_blocks}
+                for t in self.ledger.tenants.values()}

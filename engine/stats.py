@@ -23,6 +23,8 @@ class EngineStats:
     tokens_per_second: float          # generated tokens/s over the last ~10 s of steps
     batched_tokens_per_second: float  # all tokens run through the model, same window
     namespaces: dict[bytes, dict[str, int]] = field(default_factory=dict)
+    # per busy tenant under the ``fair`` policy: waiting and running sequences, KV blocks held
+    tenants: dict[bytes, dict[str, int]] = field(default_factory=dict)
 
 
 class StatsTracker:
@@ -57,11 +59,12 @@ class StatsTracker:
         pool = kv.pool
         totals = pool.totals
         return EngineStats(
-            num_running=len(scheduler.running), num_waiting=len(scheduler.waiting),
+            num_running=len(scheduler.running), num_waiting=scheduler.num_waiting,
             num_kv_blocks_total=pool.num_blocks, num_kv_blocks_used=pool.num_used_blocks,
             num_kv_blocks_cached=len(pool.cached), num_preemptions=scheduler.num_preemptions,
             prefix_cache_queries=totals.queries, prefix_cache_hits=totals.hits,
             prefix_cache_hit_tokens=totals.cached_tokens, prompt_tokens_computed=totals.computed_tokens,
             num_steps=self.num_steps,
             tokens_per_second=self._generated / span if span > 0 else 0.0,
-            batched_tokens_per_second=self._batched / span if span > 0 else 0.0, namespaces=ns)
+            batched_tokens_per_second=self._batched / span if span > 0 else 0.0, namespaces=ns,
+            tenants=scheduler.tenant_stats())
