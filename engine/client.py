@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Sequence
 from engine.config import EngineConfig
 from engine.core import LLMEngine
 from engine.errors import EngineUnavailableError
+from engine.fair import TenantShare
 from engine.request import RequestDelta, RequestOutput, SamplingParams
 from engine.stats import EngineStats
 from engine.stream_output import OutputAccumulator
@@ -67,7 +68,7 @@ class StreamingFront:
 
     async def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                        request_id: str | None = None, *, cache_namespace: bytes = b"",
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, share: TenantShare | None = None) -> AsyncIterator[RequestOutput]:
         """Submit a request and yield its outputs until it finishes; each output's ``new_*`` fields hold
         everything since the previous one (several engine steps' worth when the caller fell behind).
 
@@ -79,7 +80,7 @@ class StreamingFront:
         stream = _Stream(asyncio.get_running_loop(), request_id)
         # The engine's validation error, if any, comes back as the stream's first item: no separate
         # acknowledgement (one wake-up of this loop less per request, in the middle of its first step).
-        self._submit(request_id, stream, (prompt, params, cache_namespace, priority))
+        self._submit(request_id, stream, (prompt, params, cache_namespace, priority, share))
         finished = False
         try:
             while not finished:
@@ -159,10 +160,10 @@ class AsyncLLMEngine(StreamingFront):
     # ---- loop thread ----------------------------------------------------------------------------
     def _handle(self, cmd: tuple) -> None:
         if cmd[0] == "add":
-            _, request_id, prompt, params, namespace, priority, stream = cmd
+            _, request_id, prompt, params, namespace, priority, share, stream = cmd
             try:
                 self.engine.add_request(prompt, params, request_id, cache_namespace=namespace,
-                                        priority=priority)
+                                        priority=priority, share=share)
             except Exception as e:  # validation errors go back to the caller
                 stream.put(e)
                 return

@@ -12,6 +12,7 @@ from collections.abc import Sequence as Seq
 from engine.config import EngineConfig
 from engine.determinism import BATCH_INVARIANT
 from engine.errors import InvalidRequestError, PromptTooLongError
+from engine.fair import TenantShare
 from engine.hashing import BlockHasher
 from engine.kv_cache_manager import KVCacheManager
 from engine.model_runner import ModelRunner
@@ -74,7 +75,7 @@ class LLMEngine:
 
     def add_request(self, prompt: str | Seq[int], params: SamplingParams | None = None,
                     request_id: str | None = None, *, cache_namespace: bytes = b"", priority: int = 0,
-                    arrival_time: float | None = None) -> str:
+                    arrival_time: float | None = None, share: TenantShare | None = None) -> str:
         """Queue a request.
 
         Args:
@@ -82,7 +83,10 @@ class LLMEngine:
             params: Sampling parameters; defaults to ``SamplingParams()``.
             request_id: Unique id; generated when omitted.
             cache_namespace: Opaque prefix-cache scope; blocks are never shared across namespaces.
-            priority: Lower runs first under the ``priority`` scheduling policy.
+            priority: Lower runs first under the ``priority`` and ``fair`` scheduling policies (within
+                a tenant under ``fair``).
+            share: The request's tenant, weight and KV block cap under the ``fair`` policy; requests
+                without one share one default account.
 
         Returns:
             The request id.
@@ -94,6 +98,8 @@ class LLMEngine:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError("params must be a SamplingParams")
+        if share is not None and not isinstance(share, TenantShare):
+            raise InvalidRequestError("share must be a TenantShare")
         if not isinstance(cache_namespace, bytes):
             raise InvalidRequestError("cache_namespace must be bytes")
         if cache_namespace.startswith(_RESERVED_NS):
@@ -127,7 +133,7 @@ class LLMEngine:
         self.requests[request_id] = RequestState(request_id, prompt_ids, params, seqs, self.tokenizer,
                                                  self.loaded.eos_token_ids, fingerprint, self.num_steps)
         for i, seq in enumerate(seqs):
-            self.scheduler.add(seq, leader=seqs[0] if i else None)
+            self.scheduler.add(seq, leader=seqs[0] if i else None, share=share)
         return request_id
 
     def abort(self, request_id: str) -> RequestOutput | None:

@@ -191,9 +191,10 @@ def _serve(engine: Any, commands: FrameReader, out: FrameWriter) -> None:
 def _handle(engine: Any, cmd: tuple, deltas: list) -> bool:
     """Apply one command; whether the engine's state changed."""
     if cmd[0] == "add":
-        _, request_id, prompt, params, namespace, priority = cmd
+        _, request_id, prompt, params, namespace, priority, share = cmd
         try:
-            engine.add_request(prompt, params, request_id, cache_namespace=namespace, priority=priority)
+            engine.add_request(prompt, params, request_id, cache_namespace=namespace, priority=priority,
+                               share=share)
         except Exception as e:  # noqa: BLE001  (validation errors go back to the caller)
             deltas.append((request_id, _portable(e)))
             return False

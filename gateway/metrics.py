@@ -42,6 +42,23 @@ class _EngineCollector(Collector):
             "Tokens generated per second over the last ~10 s of engine steps",
             value=getattr(s, "tokens_per_second", 0.0),
         )
+        yield from _tenant_gauges(getattr(s, "tenants", {}))
+
+
+_TENANT_GAUGES = (
+    ("waiting", "kvgate_tenant_waiting_requests", "A tenant's sequences waiting in the engine"),
+    ("running", "kvgate_tenant_running_requests", "A tenant's sequences running in the engine"),
+    ("kv_blocks", "kvgate_tenant_kv_blocks", "KV blocks a tenant's running sequences hold"),
+)
+
+
+def _tenant_gauges(tenants: dict[bytes, dict[str, int]]) -> Iterator[GaugeMetricFamily]:
+    """Per busy tenant (the engine's fair-share accounts, keyed by tenant id); idle tenants are absent."""
+    for field, name, doc in _TENANT_GAUGES:
+        family = GaugeMetricFamily(name, doc, labels=["tenant"])
+        for key, figures in tenants.items():
+            family.add_metric([key.decode(errors="replace")], figures[field])
+        yield family
 
 
 class _AdmissionCollector(Collector):
@@ -75,6 +92,7 @@ class GatewayMetrics:
         self.ttft = Histogram(
             "kvgate_time_to_first_token_seconds",
             "Time to first token",
+            ["tenant"],
             buckets=_LATENCY_BUCKETS,
             registry=self.registry,
         )
@@ -102,7 +120,7 @@ class GatewayMetrics:
         self.tokens.labels(tenant, "prompt").inc(num_prompt)
         self.tokens.labels(tenant, "completion").inc(num_completion)
         if ttft is not None:
-            self.ttft.observe(ttft)
+            self.ttft.labels(tenant).observe(ttft)
         if itl is not None and num_completion > 1:
             self.itl.observe(itl)
 

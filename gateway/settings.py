@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -37,6 +37,9 @@ class Settings(BaseSettings):
         device: ``cpu`` or ``cuda``.
         num_kv_blocks: Exact KV pool size in blocks (``None``: by memory fraction).
         max_num_seqs: Engine batch limit.
+        scheduling_policy: ``fair`` (tenants share the engine's batch by their policies' ``share``, the
+            default), ``priority`` (by the policies' ``priority`` alone) or ``fcfs``; see
+            docs/operations.md#fair-share.
         max_queued_requests: Requests admitted beyond the engine's batch that may wait for a place in it
             (``None``: as many as ``max_num_seqs``). One more request than ``max_num_seqs`` plus this is
             answered at once with a 503 ``engine_overloaded`` and a ``Retry-After`` from the measured
@@ -112,6 +115,7 @@ class Settings(BaseSettings):
     device: str = "cpu"
     num_kv_blocks: int | None = None
     max_num_seqs: int = 64
+    scheduling_policy: Literal["fair", "priority", "fcfs"] = "fair"
     max_queued_requests: int | None = Field(default=None, ge=0)
     max_model_len: int | None = None
     max_body_bytes: int = 1_048_576
@@ -179,7 +183,7 @@ class Settings(BaseSettings):
             max_num_seqs=self.max_num_seqs,
             max_model_len=self.max_model_len,
             num_threads=self.engine_threads,
-            scheduling_policy="priority",
+            scheduling_policy=self.scheduling_policy,
             determinism_modes=tuple(self.determinism_modes.split(",")),
         )
 

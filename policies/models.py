@@ -24,7 +24,13 @@ class Policy(BaseModel):
         max_concurrent_requests: Requests in flight at once.
         daily_token_quota: Prompt + completion tokens per UTC day.
         monthly_token_quota: Prompt + completion tokens per UTC calendar month.
-        priority: Engine priority; lower runs first.
+        priority: Engine priority; lower runs first (among the tenant's own requests under the default
+            ``fair`` scheduling; across tenants under ``scheduling_policy=priority``).
+        share: The tenant's weight in the engine's fair share: while several tenants have work, each
+            gets batch slots and tokens in proportion to its share (an idle tenant's goes to the others).
+        max_kv_blocks: Most KV cache blocks the tenant's running requests may hold at once; requests over
+            it wait for the tenant's others to finish. ``None``: no cap.
+        max_kv_fraction: The same cap as a fraction of the engine's KV pool (the smaller cap applies).
         prefix_cache_scope: Who may share prefix-cache blocks: the whole tenant, one key, or nobody.
         default_determinism: Mode used when a request names none.
         allowed_determinism: Modes a request may ask for.
@@ -45,6 +51,9 @@ class Policy(BaseModel):
     daily_token_quota: PositiveInt | None = None
     monthly_token_quota: PositiveInt | None = None
     priority: int = Field(default=0, ge=-1000, le=1000)
+    share: float = Field(default=1.0, gt=0, le=1000)
+    max_kv_blocks: PositiveInt | None = None
+    max_kv_fraction: float | None = Field(default=None, gt=0, le=1)
     prefix_cache_scope: CacheScope = "tenant"
     default_determinism: Determinism = "fast"
     allowed_determinism: tuple[Determinism, ...] = ALL_DETERMINISM

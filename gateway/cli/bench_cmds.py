@@ -186,6 +186,32 @@ def bench_serve(
         raise typer.Exit(1)
 
 
+@bench_app.command("fairness")
+def bench_fairness(
+    seconds: float = typer.Option(60.0, help="Length of each phase"),
+    warmup_s: float = typer.Option(15.0, help="Start of each phase left out of its figures"),
+    flood: int = typer.Option(64, help="Tenant A's long requests kept in flight"),
+    b_backlog: int = typer.Option(32, help="Tenant B's requests kept in flight in the share phases"),
+    policies: str = typer.Option("fair,fcfs", help="Comma list of scheduling policies, each in "
+                                                       "its own engine"),
+    model: str = typer.Option(None, help="Model (default: the default model)"),
+    out: str = typer.Option("bench-results/fairness.json", help="Where to write the JSON results"),
+) -> None:
+    """One tenant floods the engine (run as `kvgate serve` runs it) while another keeps asking: the second
+    tenant's TTFT against alone, and each tenant's share of the tokens, under fair share and FCFS."""
+    from pathlib import Path
+
+    from bench.fairness import FairnessConfig, format_table, run_fairness, verdict
+
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    cfg = FairnessConfig(seconds=seconds, warmup_s=warmup_s, flood=flood, b_backlog=b_backlog,
+                         policies=tuple(policies.split(",")), model=model)
+    rows = run_fairness(cfg, out)
+    typer.echo(format_table(rows))
+    typer.echo(f"verdict: {verdict(rows)}")
+    typer.echo(f"JSON: {out}")
+
+
 @bench_app.command("gpu")
 def bench_gpu(
     device: str = typer.Option("cuda", help="cuda, or cpu for a dry run"),

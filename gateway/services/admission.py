@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from audit.context import bind_request_context, register_sensitive
-from engine import SamplingParams
+from engine import SamplingParams, TenantShare
 from gateway.audit_hook import AuditUnavailableError, DeferredEvent, chain_steps
 from gateway.errors import InvalidRequest, NotFound, PolicyViolation
 from gateway.runtime import Runtime
@@ -58,6 +58,7 @@ class Admission:
     prompt_hash: str | None = None
     system_fingerprint: str | None = None
     place: EnginePlace | None = None  # in the engine gate, given back when the request's settlement starts
+    share: TenantShare | None = None  # the tenant's account in the engine's fair share
 
     def __repr__(self) -> str:  # lengths only, never the prompt
         return (
@@ -72,6 +73,14 @@ def _sharer(scope: str, principal: Principal) -> str | None:
     if scope == "request":
         return None
     return f"k:{principal.key_id}" if scope == "key" else f"t:{principal.tenant_id}"
+
+
+def _share(rt: Runtime, principal: Principal, policy: Policy) -> TenantShare:
+    """The tenant's weight and KV block cap in the engine's fair share, keyed by its id."""
+    caps = [policy.max_kv_blocks] if policy.max_kv_blocks is not None else []
+    if policy.max_kv_fraction is not None:
+        caps.append(max(1, int(policy.max_kv_fraction * rt.engine.stats().num_kv_blocks_total)))
+    return TenantShare((principal.tenant_id or "").encode(), policy.share, min(caps) if caps else None)
 
 
 def _namespace(decision: Decision, principal: Principal) -> bytes:
@@ -271,4 +280,5 @@ async def admit(
         prompt_hash=prompt_hash,
         system_fingerprint=rt.engine.determinism.fingerprints[decision.determinism],
         place=place,
+        share=_share(rt, principal, policy),
     )

@@ -30,6 +30,7 @@ def _start(rt: Runtime, adm: Admission) -> AsyncGenerator[Any, None]:
         adm.request_id,
         cache_namespace=adm.cache_namespace,
         priority=adm.priority,
+        share=adm.share,
     )
 
 

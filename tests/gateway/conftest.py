@@ -161,7 +161,7 @@ def llm(tiny_model_dir: Path):  # type: ignore[no-untyped-def]
             dtype="float32",
             num_kv_blocks=256,
             max_num_seqs=Settings(data_dir=tiny_model_dir).max_num_seqs,  # part of fixed mode's fingerprint
-            scheduling_policy="priority",
+            scheduling_policy=Settings(data_dir=tiny_model_dir).scheduling_policy,
             # As `kvgate serve` and `kvgate replay` pin them (one core kept for the gateway): torch's
             # thread count is process-wide, and part of the system fingerprint a replay compares.
             num_threads=Settings(data_dir=tiny_model_dir).engine_threads,
