@@ -64,6 +64,12 @@ class EngineOverloaded(ServiceUnavailable):
     default_code = "engine_overloaded"
 
 
+class ShuttingDown(ServiceUnavailable):
+    """The server ended the request to stop (``gateway.drain``): expected, so not logged as an error."""
+
+    default_code = "shutting_down"
+
+
 class ClientError(GatewayError):
     status_code = 400
     error_type = "invalid_request_error"
@@ -130,7 +136,7 @@ def error_response(
 
 
 def _gateway_error_handler(_: Request, exc: GatewayError) -> Response[Any]:
-    if exc.status_code >= 500 and not isinstance(exc, EngineOverloaded):
+    if exc.status_code >= 500 and not isinstance(exc, EngineOverloaded | ShuttingDown):
         log.error("request.error", error=exc.message, exc_info=exc)
     return error_response(exc.status_code, exc.message, exc.error_type, exc.code, exc.param, exc.headers)
 

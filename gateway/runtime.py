@@ -50,6 +50,8 @@ class Runtime:
     token_text: TokenText = field(init=False)
     segments: SegmentCache = field(init=False)  # a chat's pieces seen before, per namespace
     retention: RetentionStore = field(init=False)
+    # Set once the requests still running at a shutdown are being ended (``end_in_flight``).
+    is_shutting_down: bool = field(init=False, default=False)
     _lease_task: asyncio.Task | None = field(init=False, default=None)
     _finishing: set[asyncio.Future] = field(init=False, default_factory=set)
 
@@ -118,9 +120,19 @@ class Runtime:
         self._finishing.add(work)
         work.add_done_callback(self._finishing.discard)
 
+    async def end_in_flight(self) -> None:
+        """End every request still running (a shutdown's grace period is over): the engine stops, so each
+        stream ends with a final error event and each whole request with a 503, both ``shutting_down``;
+        their settlements follow as usual. An engine handed in (tests) is left running."""
+        self.is_shutting_down = True
+        if self.owns_engine and self.engine is not None:
+            await asyncio.to_thread(self.engine.shutdown)
+
     async def stop(self) -> None:
-        if self._finishing:
-            await asyncio.wait(list(self._finishing))
+        if self._finishing:  # settlements, a deferred one retrying at most for the shutdown's grace period
+            _, pending = await asyncio.wait(list(self._finishing), timeout=self.settings.shutdown_grace_s)
+            if pending:
+                log.error("shutdown.settlements_unfinished", num_pending=len(pending))
         if self._lease_task is not None:
             self._lease_task.cancel()
             self._lease_task = None

@@ -73,6 +73,10 @@ class Settings(BaseSettings):
             at start-up. A request (or tenant default) asking for a mode not served gets a 400.
         stream_stall_timeout_s: A client that takes nothing of its reply for this long (its socket's
             buffers stay full) is dropped, its generation aborted and what it produced settled.
+        shutdown_grace_s: On SIGTERM or SIGINT, how long the requests in flight may take to finish; new
+            requests meanwhile get a 503 ``shutting_down`` (``/readyz`` too). What still runs after it is
+            ended (a stream with a final error event, a whole request with that 503) and settled, then
+            the process exits 0 (docs/operations.md#faults). A second signal ends the wait at once.
         http_max_header_bytes: Largest request head (request line and headers) read; a longer one is
             answered 431 and the connection closed, before the parser has buffered more than this.
         http_header_timeout_s: Time a connection has to finish its request head, counted from its opening
@@ -130,6 +134,7 @@ class Settings(BaseSettings):
     reserved_cpus: int | None = Field(default=None, ge=0)
     engine_process: bool = True
     stream_stall_timeout_s: float = Field(default=30.0, gt=0)
+    shutdown_grace_s: float = Field(default=30.0, gt=0)
     http_max_header_bytes: int = Field(default=32_768, ge=1024, le=1_048_576)
     http_header_timeout_s: float = Field(default=10.0, gt=0)
     http_body_timeout_s: float = Field(default=60.0, gt=0)

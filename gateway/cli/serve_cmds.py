@@ -53,6 +53,21 @@ def serving_app(settings: Settings) -> Any:
     return application
 
 
+def _run_server(settings: Settings, tls: dict[str, str]) -> None:
+    """Serve until a signal has drained the server (``gateway.drain``); exit 3 if it never started."""
+    import uvicorn
+
+    from gateway.drain import Drain, DrainingServer
+
+    application = serving_app(settings)
+    drain = Drain(application)
+    config = uvicorn.Config(drain, **uvicorn_options(settings), **tls)
+    server = DrainingServer(config, drain, application.state.runtime, settings.shutdown_grace_s)
+    server.run()
+    if not server.started:
+        raise typer.Exit(3)  # uvicorn's STARTUP_FAILURE
+
+
 def uvicorn_options(settings: Settings) -> dict[str, Any]:
     """``uvicorn.run`` options besides TLS. ``log_config=None``: uvicorn's default dictConfig would give
     its loggers plain-text handlers of their own, bypassing redaction; they propagate to root instead.
@@ -156,8 +171,6 @@ def serve(
     ] = None,
 ) -> None:
     """Run the HTTPS gateway and its engine, a supervised child process (migrates the database first)."""
-    import uvicorn
-
     from gateway.storage import migrate
 
     settings = build_settings(
@@ -195,4 +208,4 @@ def serve(
     run(lambda: migrate.upgrade(settings.database_url))
     scheme = "http" if settings.insecure_http else "https"
     typer.echo(f"kvgate serving on {scheme}://{settings.host}:{settings.port}", err=True)
-    uvicorn.run(serving_app(settings), **uvicorn_options(settings), **tls)
+    _run_server(settings, tls)

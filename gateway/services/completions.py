@@ -12,7 +12,15 @@ from engine.errors import InvalidRequestError
 from gateway import openai_format as fmt
 from gateway.asgi_io import StreamReply, WholeReply, unless_client_leaves
 from gateway.audit_hook import DeferredEvent
-from gateway.errors import ClientError, EngineOverloaded, InvalidRequest, ServiceUnavailable, error_body
+from gateway.drain import RETRY_AFTER_S
+from gateway.errors import (
+    ClientError,
+    EngineOverloaded,
+    InvalidRequest,
+    ServiceUnavailable,
+    ShuttingDown,
+    error_body,
+)
 from gateway.runtime import Runtime
 from gateway.schemas.openai import ChatCompletionRequest, CompletionRequest
 from gateway.services.admission import Admission, admit
@@ -44,14 +52,18 @@ async def _first(rt: Runtime, adm: Admission, progress: Progress) -> tuple[Async
     except InvalidRequestError as e:
         raise InvalidRequest(str(e)) from None
     except RuntimeError as e:
-        raise engine_unavailable(adm, e) from None
+        raise engine_unavailable(rt, adm, e) from None
     progress.last, progress.is_done = out, out.finished
     return gen, out
 
 
-def engine_unavailable(adm: Admission, e: BaseException) -> ServiceUnavailable:
-    """The client's answer when the engine failed a request: a generic 503 naming the request; what
-    happened goes to the log only."""
+def engine_unavailable(rt: Runtime, adm: Admission, e: BaseException) -> ServiceUnavailable:
+    """The client's answer when the engine failed a request: a generic 503 naming the request (the
+    server shutting down, once it ended what outlasted the grace period); what happened goes to the log
+    only."""
+    if rt.is_shutting_down:
+        message = f"The server is shutting down; retry the request (request {adm.request_id})."
+        return ShuttingDown(message, headers={"Retry-After": str(RETRY_AFTER_S)})
     log.error("engine.request_failed", request_id=adm.request_id, error_type=type(e).__name__, error=str(e))
     return ServiceUnavailable(
         f"The engine is unavailable; retry shortly (request {adm.request_id}).",
@@ -69,7 +81,7 @@ async def _run_whole(rt: Runtime, adm: Admission) -> WholeReply:
                 async for out in gen:
                     progress.last, progress.is_done = out, out.finished
             except RuntimeError as e:
-                raise engine_unavailable(adm, e) from None
+                raise engine_unavailable(rt, adm, e) from None
         await until_committed(adm)
     except BaseException:
         await finish(rt, adm, progress)
@@ -152,7 +164,7 @@ async def _stream(
             yield fmt.sse(_chunk(adm, [], True, usage))
         yield fmt.SSE_DONE
     except RuntimeError as e:  # the engine died mid-stream: tell the client in-band
-        err = engine_unavailable(adm, e)
+        err = engine_unavailable(rt, adm, e)
         yield fmt.sse(error_body(err.message, err.error_type, err.code))
     finally:
         await gen.aclose()  # a request that did not end is aborted (the settlement aborts it too)

@@ -75,7 +75,9 @@ async def whole(c: httpx.AsyncClient, key: str, body: dict) -> Outcome:
     return out
 
 
-async def stream(c: httpx.AsyncClient, key: str, body: dict) -> Outcome:
+async def stream(c: httpx.AsyncClient, key: str, body: dict, on_chunk: Callable[[], Any] | None = None
+                 ) -> Outcome:
+    """``on_chunk()`` is called on each event that arrives."""
     out = Outcome(key, True, time.monotonic())
     body = body | {"stream": True, "stream_options": {"include_usage": True}}
     async with c.stream("POST", "/v1/chat/completions", json=body,
@@ -91,6 +93,8 @@ async def stream(c: httpx.AsyncClient, key: str, body: dict) -> Outcome:
             elif line.startswith("data: "):
                 event = json.loads(line[6:])
                 out.events += 1
+                if on_chunk is not None:
+                    on_chunk()
                 if "error" in event:
                     out.code = event["error"]["code"]
                 else:
