@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install model test serve demo bench lint clean
+.PHONY: install model test serve demo bench lint fuzz clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -34,6 +34,13 @@ demo: model
 
 bench: model
 	$(BIN)/kvgate bench engine
+
+# Schemathesis against a real `kvgate serve`: the suite's fuzz test with many more, fresh examples
+# per operation (docs/operations.md); FUZZ_EXAMPLES=1000 for a longer run.
+FUZZ_EXAMPLES ?= 200
+fuzz: install
+	KVGATE_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) KVGATE_FUZZ_RANDOM=1 $(BIN)/python -m pytest -q -p no:cacheprovider \
+		--timeout=0 -s tests/gateway/test_fuzz.py
 
 lint: install
 	$(BIN)/ruff check .

@@ -33,7 +33,8 @@ def parse_body(raw: bytes, model: type[M]) -> M:
         return model.model_validate_json(raw, strict=True)
     except ValidationError as e:
         first = e.errors(include_url=False, include_input=False)[0]
-        param = _loc(first)
+        param = _loc(first)  # None: a rule across fields (say, stream_options without stream)
+        where = f" for '{param}'" if param else ""
         raise InvalidRequest(
-            f"Invalid value for '{param}': {first['msg']}.", code="invalid_value", param=param
+            f"Invalid value{where}: {first['msg']}.", code="invalid_value", param=param
         ) from None

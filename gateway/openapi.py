@@ -54,7 +54,7 @@ _ERRORS = {
 @dataclass(frozen=True, slots=True)
 class Body:
     """One body of a response: a type described by JSON Schema (``None``: not described), as a media type;
-    ``events``: the model of each server-sent event's data (listed among the components)."""
+    ``events``: for ``text/event-stream``, the model of each event's data."""
 
     model: Any = None
     media_type: str = JSON
@@ -128,11 +128,25 @@ def _types(app: Litestar) -> list[tuple[Any, JsonSchemaMode]]:
     return types
 
 
-def _reply(schemas: _Schemas, reply: Reply) -> OpenAPIResponse:
-    content = {
-        b.media_type: OpenAPIMediaType(schema=None if b.model is None else schemas.of(b.model))
-        for b in reply.bodies
+def _sse_event(data: Any, error: Any) -> dict[str, Any]:
+    """One server-sent event, as an object of its fields (the shape OpenAPI 3.2 gives ``itemSchema``):
+    ``data`` is ``[DONE]`` or JSON, an event's ``data`` model or, when the stream broke, an error."""
+    payload = {"contentMediaType": JSON, "contentSchema": {"anyOf": [data, error]}}
+    return {
+        "type": "object",
+        "required": ["data"],
+        "properties": {"data": {"type": "string", "if": {"const": "[DONE]"}, "else": payload}},
     }
+
+
+def _media(schemas: _Schemas, body: Body) -> OpenAPIMediaType:
+    if body.events is not None:
+        return OpenAPIMediaType(schema=_sse_event(schemas.of(body.events), schemas.of(ErrorResponse)))  # type: ignore[arg-type]
+    return OpenAPIMediaType(schema=None if body.model is None else schemas.of(body.model))
+
+
+def _reply(schemas: _Schemas, reply: Reply) -> OpenAPIResponse:
+    content = {body.media_type: _media(schemas, body) for body in reply.bodies}
     return OpenAPIResponse(description=reply.description, content=content)
 
 

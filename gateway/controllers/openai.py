@@ -62,9 +62,9 @@ def _completion_opt(request: type, whole: type, chunk: type) -> dict[str, Any]:
     """The completion routes' ``opt``: their auth event deferred, and their OpenAPI description (Litestar
     documents no ASGI handler): the body they parse, the reply, and 404 for an unknown model."""
     reply = Reply(
-        f"A {whole.__name__}; with stream true, server-sent events: each data line a {chunk.__name__} "
-        f"(#/components/schemas/{chunk.__name__}), the last one [DONE].",
-        (Body(whole), Body(str, "text/event-stream", events=chunk)),
+        f"A {whole.__name__}; with stream true, server-sent events, each one's data a {chunk.__name__} "
+        "(an error object if the stream broke), the last one's [DONE].",
+        (Body(whole), Body(media_type="text/event-stream", events=chunk)),
     )
     return {DEFER_AUTH_AUDIT: True, **route_doc(request=request, responses={200: reply}, errors=(404,))}
 

@@ -6,6 +6,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from gateway.body import parse_body
+from gateway.errors import InvalidRequest
+from gateway.schemas.openai import ChatCompletionRequest
+
 MSG = [{"role": "user", "content": "hi"}]
 
 
@@ -84,6 +88,17 @@ async def test_bad_chat_bodies_are_4xx(ctx):
         "/v1/chat/completions", headers=h, json={"model": model, "messages": MSG, "max_tokens": 2}
     )
     assert r.status_code == 200
+
+
+def test_a_rule_across_fields_names_no_field():
+    """Its message said "Invalid value for 'None'"."""
+    body = {"model": "m", "messages": MSG, "stream_options": {"include_usage": True}}
+    with pytest.raises(InvalidRequest) as e:
+        parse_body(json.dumps(body).encode(), ChatCompletionRequest)
+    assert e.value.param is None and e.value.code == "invalid_value"
+    assert e.value.message == (
+        "Invalid value: Value error, stream_options is only allowed when stream is true."
+    )
 
 
 async def test_bad_completion_bodies_are_4xx(ctx):

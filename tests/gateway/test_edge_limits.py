@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import http.client
 import os
+import random
 import socket
 import ssl
 import subprocess
@@ -245,6 +246,48 @@ def test_connections_are_capped_per_peer_and_per_server(server: Server) -> None:
     finally:
         for sock in held:
             sock.close()
+
+
+def _client_hello() -> bytes:
+    """The first flight of a real TLS client: its ClientHello record."""
+    outgoing = ssl.MemoryBIO()
+    tls = ssl.create_default_context().wrap_bio(ssl.MemoryBIO(), outgoing, server_hostname="127.0.0.1")
+    with pytest.raises(ssl.SSLWantReadError):
+        tls.do_handshake()
+    return outgoing.read()
+
+
+def test_malformed_tls_handshakes_leave_the_listener_serving(server: Server) -> None:
+    """Many connections at once that never make a TLS session (garbage, a ClientHello cut in half, plain
+    HTTP, a record header promising more than comes), some hung up and some held: the server answers
+    no plain HTTP, closes what it cannot parse, and serves a real client, from the same address too."""
+    hello = _client_hello()
+    garbage = random.Random(0).randbytes(2048)
+    http_head = b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+    payloads = [garbage, hello[: len(hello) // 2], http_head, b"\x16\x03\x01\xff\xff" + bytes(64)]
+    held: list[socket.socket] = []
+    try:
+        for payload in payloads:
+            for _ in range(50):
+                sock = socket.create_connection(("127.0.0.1", server.port), timeout=10,
+                                                source_address=("127.0.0.9", 0))
+                sock.sendall(payload)
+                held.append(sock)
+        for sock in held[1::2]:  # half hang up mid-handshake
+            sock.close()
+        held = held[::2]
+        assert server.healthz("127.0.0.9") == server.healthz() == 200
+        admin = {"Authorization": f"Bearer {server.admin_token}"}
+        with httpx.Client(verify=str(server.ca), timeout=10, headers=admin) as client:
+            r = client.get(f"{server.base}/admin/v1/tenants")
+            assert r.status_code == 200, r.text
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as plain:
+            plain.sendall(http_head)  # plain HTTP to the TLS port: closed, never answered in the clear
+            assert _recv(plain, CLOSE_WITHIN_S) == b""  # type: ignore[arg-type]
+    finally:
+        for sock in held:
+            sock.close()
+    assert server.healthz("127.0.0.9") == 200
 
 
 def test_serve_keeps_its_data_dir_private(server: Server) -> None:

@@ -90,7 +90,11 @@ async def test_the_completion_endpoints_document_their_replies_and_errors(gw, pa
     assert {"200", "400", "401", "403", "404", "413", "429", "503", "default"} <= set(responses)
     ok = responses["200"]["content"]
     assert ok["application/json"]["schema"] == {"$ref": f"#/components/schemas/{whole}"}
-    assert "text/event-stream" in ok and chunk in responses["200"]["description"]
+    assert chunk in responses["200"]["description"]
+    event = ok["text/event-stream"]["schema"]  # one server-sent event: its data a chunk, an error or [DONE]
+    data = event["properties"]["data"]
+    assert event["required"] == ["data"] and data["if"] == {"const": "[DONE]"}
+    assert data["else"]["contentSchema"]["anyOf"][0] == {"$ref": f"#/components/schemas/{chunk}"}
     schemas = (await _document(gw))["components"]["schemas"]
     assert chunk in schemas and "messages" in schemas.get("ChatCompletionRequest", {}).get("properties", {})
     assert operation["description"].startswith("``POST``")
