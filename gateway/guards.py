@@ -37,6 +37,7 @@ ADMIN_ROUTE_SCOPES: dict[tuple[str, str], str] = {
     ("GET", f"{_TENANT}/policy"): ADMIN_READ,
     ("GET", f"{_TENANT}/policy/history"): ADMIN_READ,
     ("GET", f"{_TENANT}/usage"): ADMIN_READ,
+    ("GET", f"{_TENANT}/engine"): ADMIN_READ,
     ("GET", f"{_TENANT}/retention"): ADMIN_READ,
     ("GET", "/admin/v1/admin-tokens"): ADMIN_READ,
     ("POST", "/admin/v1/tenants"): TENANTS_WRITE,

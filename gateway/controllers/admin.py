@@ -15,6 +15,7 @@ from gateway.schemas.admin import (
     AdminTokenCreate,
     AdminTokenCreated,
     AdminTokenOut,
+    EngineShareOut,
     KeyCreate,
     KeyCreated,
     KeyOut,
@@ -158,6 +159,16 @@ class AdminController(Controller):
         if format == "csv":
             return Response(usage.to_csv(rows), media_type="text/csv")
         return Response([r.model_dump(mode="json") for r in rows])
+
+    @get("/tenants/{tenant_id:str}/engine", opt=route_doc(errors=(404,)))
+    async def get_engine_share(
+        self, session: AsyncSession, runtime: Runtime, tenant_id: str
+    ) -> EngineShareOut:
+        """The tenant's requests waiting and running in the engine, and the KV blocks they hold, now."""
+        await tenants.get_tenant(session, tenant_id)  # 404 for an unknown tenant
+        figures = runtime.engine.stats().tenants.get(tenant_id.encode(), {})
+        return EngineShareOut(tenant_id=tenant_id, waiting=figures.get("waiting", 0),
+                              running=figures.get("running", 0), kv_blocks=figures.get("kv_blocks", 0))
 
     @get("/admin-tokens")
     async def list_admin_tokens(self, session: AsyncSession) -> list[AdminTokenOut]:

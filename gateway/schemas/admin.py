@@ -114,6 +114,15 @@ class PolicyOut(_Frozen):
     created_at: datetime
 
 
+class EngineShareOut(_Frozen):
+    """A tenant's place in the engine's fair share right now (all zero while it has no work there)."""
+
+    tenant_id: str
+    waiting: int
+    running: int
+    kv_blocks: int
+
+
 class UsageRow(_Frozen):
     tenant_id: str
     window: str

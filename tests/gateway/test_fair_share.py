@@ -46,3 +46,15 @@ async def test_time_to_first_token_is_per_tenant(gw):
     assert r.status_code == 200, r.text
     text = (await gw.client.get("/metrics", headers=gw.admin())).text
     assert f'kvgate_time_to_first_token_seconds_count{{tenant="{tid}"}} 1.0' in text
+
+
+async def test_the_admin_api_shows_a_tenants_place_in_the_engine(gw):
+    tid, _ = await gw.make_tenant()
+    engine = gw.runtime.engine
+    params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+    stream = engine.generate([5, 6, 7, 9], params, share=TenantShare(tid.encode()))
+    await anext(stream)
+    r = await gw.client.get(f"/admin/v1/tenants/{tid}/engine", headers=gw.admin())
+    assert r.status_code == 200 and r.json()["running"] == 1 and r.json()["kv_blocks"] >= 1, r.text
+    await stream.aclose()
+    assert (await gw.client.get("/admin/v1/tenants/nope/engine", headers=gw.admin())).status_code == 404
