@@ -79,8 +79,8 @@ async def _refuse(scope: Scope, send: Send) -> None:
 
 class DrainingServer(uvicorn.Server):
     """uvicorn's server, draining on the first SIGTERM or SIGINT (see the module docstring); a second
-    one ends the grace period at once. It does not re-raise the signal once stopped (uvicorn does, which
-    made the process die of it instead of exiting 0)."""
+    one ends the grace period at once, a third stops without settling anything more. It does not re-raise
+    the signal once stopped (uvicorn does, which made the process die of it instead of exiting 0)."""
 
     def __init__(self, config: uvicorn.Config, drain: Drain, runtime: Any, grace_s: float) -> None:
         super().__init__(config)
@@ -105,8 +105,10 @@ class DrainingServer(uvicorn.Server):
     def _on_signal(self, name: str) -> None:
         if self._task is None:
             self._task = asyncio.ensure_future(self._drain(name))
-        else:
+        elif not self._cut_short.is_set():
             self._cut_short.set()
+        else:  # a third: stop at once, as uvicorn's forced exit does (nothing more is settled)
+            self.force_exit = self.should_exit = True
 
     async def _drain(self, signal_name: str) -> None:
         self.drain.begin()

@@ -20,7 +20,8 @@ from .ledger import check_answers, settled_ledgers
 from .private_pg import PrivatePostgres, missing_reason, private_postgres
 from .served import serve
 
-pytestmark = [pytest.mark.timeout(300), pytest.mark.postgres]
+# Not marked ``postgres``: the server is the test's own, from the PostgreSQL binaries (skipped without).
+pytestmark = pytest.mark.timeout(300)
 NUM_WORKERS = 8
 MAX_TOKENS = 48  # long enough that requests are still generating when the database goes down
 
