@@ -15,6 +15,7 @@ from engine.errors import EngineUnavailableError
 from engine.fair import TenantShare
 from engine.request import RequestDelta, RequestOutput, SamplingParams
 from engine.stats import EngineStats
+from engine.step_guard import StepGuard
 from engine.stream_output import OutputAccumulator
 
 logger = logging.getLogger("kvgate.engine")
@@ -185,17 +186,18 @@ class AsyncLLMEngine(StreamingFront):
             pass
 
     def _run(self) -> None:
+        guard = StepGuard(self.engine)
         try:
             while not self._stop.is_set():
                 self._drain(block=not self.engine.has_unfinished())
                 if not self.engine.has_unfinished():
                     continue
-                for out in self.engine.step_deltas():
-                    stream = self._streams.get(out.request_id)
+                for request_id, out in guard.step():  # a failed request's error in place of its delta
+                    stream = self._streams.get(request_id)
                     if stream is not None:
                         stream.put(out)
-                        if out.finished:
-                            del self._streams[out.request_id]
+                        if isinstance(out, BaseException) or out.finished:
+                            del self._streams[request_id]
                 self._stats = self.engine.stats(namespaces=False)
         except BaseException as e:  # noqa: BLE001 - report a dead loop to every waiter
             logger.exception("engine loop died")

@@ -11,7 +11,7 @@ from collections.abc import Sequence as Seq
 
 from engine.config import EngineConfig
 from engine.determinism import BATCH_INVARIANT
-from engine.errors import InvalidRequestError, PromptTooLongError
+from engine.errors import InvalidRequestError, PromptTooLongError, RequestFailedError, StepError
 from engine.fair import TenantShare
 from engine.hashing import BlockHasher
 from engine.kv_cache_manager import KVCacheManager
@@ -143,14 +143,20 @@ class LLMEngine:
 
     def abort_delta(self, request_id: str) -> RequestDelta | None:
         """``abort``, answering with the request's last delta instead of its whole output."""
-        state = self.requests.pop(request_id, None)
+        state = self._drop(request_id)
         if state is None:
             return None
-        for seq in state.seqs:
-            if not seq.is_finished:
-                self.scheduler.finish(seq, RequestStatus.FINISHED_ABORTED)
         self._zero_freed_blocks()
         return state.make_delta()
+
+    def _drop(self, request_id: str) -> RequestState | None:
+        """Forget a request, ending its unfinished sequences (their blocks are freed at once)."""
+        state = self.requests.pop(request_id, None)
+        if state is not None:
+            for seq in state.seqs:
+                if not seq.is_finished:
+                    self.scheduler.finish(seq, RequestStatus.FINISHED_ABORTED)
+        return state
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -169,8 +175,14 @@ class LLMEngine:
             self.kv.pool.blocks_to_zero.clear()
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, run one forward pass, sample, and return outputs of requests that progressed."""
-        return [self._assemble(delta) for delta in self.step_deltas()]
+        """Schedule, run one forward pass, sample, and return outputs of requests that progressed (raises
+        as ``step_deltas`` does, with the other requests' outputs as the ``StepError``'s ``deltas``)."""
+        try:
+            deltas = self.step_deltas()
+        except StepError as e:
+            e.deltas = [self._assemble(delta) for delta in e.deltas]
+            raise
+        return [self._assemble(delta) for delta in deltas]
 
     def _assemble(self, delta: RequestDelta) -> RequestOutput:
         acc = self._accumulators.get(delta.request_id)
@@ -183,36 +195,79 @@ class LLMEngine:
 
     def step_deltas(self) -> list[RequestDelta]:
         """``step``, returning what each progressed request produced in this step only (what the engine
-        process sends: its size does not grow with the requests' lengths)."""
+        process sends: its size does not grow with the requests' lengths).
+
+        Raises:
+            StepError: The step raised for some requests and ended those only (a forward pass that raises
+                runs again one request at a time); the others' deltas ride on the error.
+        """
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
         self._zero_freed_blocks()  # freed while scheduling (preemption, eviction): before anyone writes
         t0 = time.perf_counter()
-        seqs, tokens, logprobs = self.runner.execute(sched.scheduled)
+        failed: dict[str, BaseException] = {}
+        seqs, tokens, logprobs = self.runner.execute_isolating(sched.scheduled, failed)
         now = time.monotonic()
+        self._advance(sched.scheduled, failed)
         touched: dict[str, RequestState] = {}
-        for seq, n in sched.scheduled:
-            if seq.num_computed_tokens < seq.prompt_len:
-                k = min(n, seq.prompt_len - seq.num_computed_tokens)
-                seq.num_prefill_computed += k
-                self.kv.pool.record_computed(seq.cache_namespace, k)
-            seq.num_computed_tokens += n
-            self.kv.cache_full_blocks(seq)
         for seq, token, lp in zip(seqs, tokens, logprobs, strict=True):
-            state = self.requests[seq.request_id]
-            status = state.append_token(seq, token, lp, now)
-            if status is not None:
-                self.scheduler.finish(seq, status)
-            touched[seq.request_id] = state
+            if seq.request_id in failed:
+                continue
+            state = touched[seq.request_id] = self.requests[seq.request_id]
+            try:
+                status = state.append_token(seq, token, lp, now)
+                if status is not None:
+                    self.scheduler.finish(seq, status)
+            except Exception as e:  # noqa: BLE001
+                failed.setdefault(seq.request_id, e)
+        deltas = self._make_deltas(touched, failed)
+        errors = self._fail(failed)
         self._zero_freed_blocks()  # freed by finished requests: now, not when the next request comes
         self.stats_tracker.record_step(sched.num_tokens, len(tokens), time.perf_counter() - t0)
+        if errors:
+            num_requests = len({seq.request_id for seq, _ in sched.scheduled})
+            raise StepError(deltas, errors, is_total=len(errors) == num_requests)
+        return deltas
+
+    def _advance(self, scheduled: list[tuple[Sequence, int]], failed: dict[str, BaseException]) -> None:
+        """Count each sequence's newly computed tokens, and cache the blocks they filled."""
+        for seq, n in scheduled:
+            if seq.request_id in failed:
+                continue
+            try:
+                if seq.num_computed_tokens < seq.prompt_len:
+                    k = min(n, seq.prompt_len - seq.num_computed_tokens)
+                    seq.num_prefill_computed += k
+                    self.kv.pool.record_computed(seq.cache_namespace, k)
+                seq.num_computed_tokens += n
+                self.kv.cache_full_blocks(seq)
+            except Exception as e:  # noqa: BLE001
+                failed[seq.request_id] = e
+
+    def _make_deltas(self, touched: dict[str, RequestState], failed: dict[str, BaseException]
+                     ) -> list[RequestDelta]:
         deltas = []
         for request_id, state in touched.items():
-            deltas.append(state.make_delta())
+            if request_id in failed:
+                continue
+            try:
+                deltas.append(state.make_delta())
+            except Exception as e:  # noqa: BLE001
+                failed[request_id] = e
+                continue
             if state.finished:
                 del self.requests[request_id]
         return deltas
+
+    def _fail(self, failed: dict[str, BaseException]) -> dict[str, BaseException]:
+        """End the requests a step failed, freeing their blocks; the error each one's caller gets."""
+        for request_id, e in failed.items():
+            logger.error("an engine step failed request %s", request_id, exc_info=e)
+            self._drop(request_id)
+            self._accumulators.pop(request_id, None)
+        return {rid: e if isinstance(e, InvalidRequestError) else RequestFailedError(
+            f"request {rid} failed in an engine step ({type(e).__name__}: {e})") for rid, e in failed.items()}
 
     def generate(self, prompts: str | Seq[int] | list,
                  params: SamplingParams | list[SamplingParams] | None = None,

@@ -127,6 +127,34 @@ class ModelRunner:
             k.index_fill_(0, idx, 0)
             v.index_fill_(0, idx, 0)
 
+    def execute_isolating(self, scheduled: list[tuple[Sequence, int]], failed: dict[str, BaseException]
+                          ) -> tuple[list[Sequence], list[int], list[TokenLogprobs | None]]:
+        """``execute``; when the step raises, each request's part runs alone, so that a fault fails only
+        the requests that raise on their own (their ids and errors go into ``failed``). A failed attempt
+        commits nothing: a retry rewrites the same K/V slots with the same values."""
+        try:
+            return self.execute(scheduled)
+        except Exception as e:  # noqa: BLE001  (the caller fails the requests in ``failed``)
+            parts: dict[str, list[tuple[Sequence, int]]] = {}
+            for seq, n in scheduled:
+                parts.setdefault(seq.request_id, []).append((seq, n))
+            if len(parts) == 1:
+                failed[scheduled[0][0].request_id] = e
+                return [], [], []
+        seqs: list[Sequence] = []
+        tokens: list[int] = []
+        logprobs: list[TokenLogprobs | None] = []
+        for request_id, part in parts.items():
+            try:
+                got = self.execute(part)
+            except Exception as e:  # noqa: BLE001
+                failed[request_id] = e
+                continue
+            seqs += got[0]
+            tokens += got[1]
+            logprobs += got[2]
+        return seqs, tokens, logprobs
+
     @torch.inference_mode()
     def execute(self, scheduled: list[tuple[Sequence, int]]
                 ) -> tuple[list[Sequence], list[int], list[TokenLogprobs | None]]:

@@ -18,6 +18,7 @@ from engine.config import EngineConfig
 from engine.pipe import FrameReader, FrameWriter, enlarge
 from engine.request import RequestDelta
 from engine.stats import EngineStats
+from engine.step_guard import StepGuard
 
 logger = logging.getLogger("kvgate.engine")
 _POLL_S = 0.05  # how long an idle child waits for a command before looking again
@@ -165,7 +166,7 @@ def child_main(config: EngineConfig, cmd_conn: Any, out_conn: Any, initializer: 
 
 
 def _serve(engine: Any, commands: FrameReader, out: FrameWriter) -> None:
-    has_message = PipePoll(commands.fd)
+    has_message, guard = PipePoll(commands.fd), StepGuard(engine)
     while True:
         if not engine.has_unfinished() and not has_message(_POLL_S):
             continue
@@ -182,7 +183,7 @@ def _serve(engine: Any, commands: FrameReader, out: FrameWriter) -> None:
             if not cmds:
                 break  # the rest of a frame is on its way: step meanwhile
         if engine.has_unfinished():
-            deltas += [(d.request_id, d) for d in engine.step_deltas()]
+            deltas += guard.step()  # a failed request's error in place of its delta
             is_changed = True
         if deltas or is_changed:
             out.write(("out", deltas, engine.stats(namespaces=False)))
