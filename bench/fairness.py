@@ -95,11 +95,9 @@ async def _client(engine, prompts: Prompts, prompt_len: int, max_tokens: int, sh
 
 
 async def _tenant(engine, prompts: Prompts, n: int, prompt_len: int, max_tokens: int, share,
-                  until: float) -> TenantLog:
-    log = TenantLog()
+                  until: float, log: TenantLog) -> None:
     await asyncio.gather(*[_client(engine, prompts, prompt_len, max_tokens, share, log, until)
                            for _ in range(n)])
-    return log
 
 
 def _b_row(log: TenantLog, t0: float, t1: float) -> dict:
@@ -117,9 +115,15 @@ async def _phase(engine, cfg: FairnessConfig, prompts: Prompts, *, a_clients: in
     t0, t1 = start + cfg.warmup_s, until
     a_share, b_share = TenantShare(b"A", weights[0]), TenantShare(b"B", weights[1])
     preempted = engine.stats().num_preemptions
-    logs = await asyncio.gather(
-        _tenant(engine, prompts, a_clients, cfg.a_prompt, cfg.a_max_tokens, a_share, until),
-        _tenant(engine, prompts, b_clients, cfg.b_prompt, cfg.b_max_tokens, b_share, until))
+    logs = (TenantLog(), TenantLog())
+    flood = asyncio.create_task(
+        _tenant(engine, prompts, a_clients, cfg.a_prompt, cfg.a_max_tokens, a_share, until, logs[0]))
+    # B's last requests run to their end (their TTFTs count); A's long ones are cut at the phase's end
+    # (the engine aborts them), as nothing after it is judged
+    await _tenant(engine, prompts, b_clients, cfg.b_prompt, cfg.b_max_tokens, b_share, until, logs[1])
+    await asyncio.wait([flood], timeout=max(0.0, until - time.monotonic()))
+    flood.cancel()
+    await asyncio.gather(flood, return_exceptions=True)
     a_tok, b_tok = logs[0].tokens_between(t0, t1), logs[1].tokens_between(t0, t1)
     a_all, b_all = (log.tokens_between(t0, t1, prompt=True) for log in logs)
     row = _b_row(logs[1], t0, t1)
@@ -144,13 +148,16 @@ async def _run_policy(policy: str, cfg: FairnessConfig) -> list[dict]:
         await _phase(engine, warm, prompts, a_clients=0, b_clients=1, weights=(1, 1))  # warm the kernels
         alone = await _phase(engine, cfg, prompts, a_clients=0, b_clients=1, weights=(1, 1))
         rows.append({"policy": policy, "phase": "alone", **alone})
+        print(format_table(rows[-1:]), flush=True)
         flood = await _phase(engine, cfg, prompts, a_clients=cfg.flood, b_clients=1, weights=(1, 1))
         flood["b_ttft_p99_over_alone"] = flood["b_ttft_p99_s"] / alone["b_ttft_p99_s"]
         rows.append({"policy": policy, "phase": "flood", **flood})
+        print(format_table(rows[-1:]), flush=True)
         for w in cfg.weights if policy == "fair" else cfg.weights[:1]:
             share = await _phase(engine, cfg, prompts, a_clients=cfg.flood, b_clients=cfg.b_backlog,
                                  weights=w)
             rows.append({"policy": policy, "phase": f"share {w[0]:g}:{w[1]:g}", **share})
+            print(format_table(rows[-1:]), flush=True)
     finally:
         engine.shutdown()
     return rows
