@@ -144,7 +144,7 @@ async def _run_policy(policy: str, cfg: FairnessConfig) -> list[dict]:
     prompts = Prompts(engine.tokenizer)
     rows = []
     try:
-        warm = FairnessConfig(seconds=3, warmup_s=0, model=cfg.model)
+        warm = FairnessConfig(seconds=min(3.0, cfg.seconds), warmup_s=0, model=cfg.model)
         await _phase(engine, warm, prompts, a_clients=0, b_clients=1, weights=(1, 1))  # warm the kernels
         alone = await _phase(engine, cfg, prompts, a_clients=0, b_clients=1, weights=(1, 1))
         rows.append({"policy": policy, "phase": "alone", **alone})

@@ -9,7 +9,7 @@ from bench.fairness import FairnessConfig, format_table, run_fairness
 
 
 def test_a_short_run_reports_every_phase(tiny_llama_dir, tmp_path):
-    cfg = FairnessConfig(seconds=4, warmup_s=1, flood=6, b_backlog=3, a_prompt=24, a_max_tokens=12,
+    cfg = FairnessConfig(seconds=2.5, warmup_s=0.5, flood=6, b_backlog=3, a_prompt=24, a_max_tokens=12,
                          b_prompt=16, b_max_tokens=6, model=str(tiny_llama_dir))
     out = tmp_path / "fairness.json"
     rows = run_fairness(cfg, str(out))
