@@ -156,15 +156,15 @@ async def through_a_fault(server: Served, keys: list[str], body: dict, num_worke
     """Requests from ``num_workers`` clients; once each has had an answer, ``cause()`` (in a thread) a
     fault, until ``num_workers`` requests were refused with ``code`` and every request under way when it
     began has ended; then ``heal()`` it, until twice that many requests started since were answered.
-    Returns the load and when the fault began."""
+    Returns the load and when causing the fault began."""
     load, stop = Load([], {}), asyncio.Event()
     async with client(server) as c:
         workers = [asyncio.create_task(keep_calling(c, keys, body, i, load, stop))
                    for i in range(num_workers)]
         try:
             await until(lambda: sum(o.is_ok for o in load.outcomes) >= num_workers, "answers")
+            began = time.monotonic()  # before: causing it may take longer than a request (a checkpoint)
             await asyncio.to_thread(cause)
-            began = time.monotonic()
             await until(lambda: num_refused(load.outcomes, code) >= num_workers and load.is_past(began),
                         f"refusals with {code}")
             await asyncio.to_thread(heal)
