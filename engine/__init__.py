@@ -3,11 +3,19 @@
 from engine.client import AsyncLLMEngine
 from engine.config import EngineConfig
 from engine.core import LLMEngine
-from engine.errors import InvalidRequestError, InvalidSamplingParamsError, ModelLoadError, PromptTooLongError
+from engine.errors import (
+    InvalidRequestError,
+    InvalidSamplingParamsError,
+    ModelLoadError,
+    PromptTooLongError,
+    StructuredOutputError,
+)
 from engine.fair import TenantShare
 from engine.request import CompletionOutput, RequestMetrics, RequestOutput, SamplingParams, TokenLogprobs
 from engine.stats import EngineStats
+from engine.structured import StructuredOutput
 
 __all__ = ["AsyncLLMEngine", "CompletionOutput", "EngineConfig", "EngineStats", "InvalidRequestError",
            "InvalidSamplingParamsError", "LLMEngine", "ModelLoadError", "PromptTooLongError",
-           "RequestMetrics", "RequestOutput", "SamplingParams", "TenantShare", "TokenLogprobs"]
+           "RequestMetrics", "RequestOutput", "SamplingParams", "StructuredOutput", "StructuredOutputError",
+           "TenantShare", "TokenLogprobs"]

@@ -9,6 +9,10 @@ class InvalidSamplingParamsError(InvalidRequestError):
     """A sampling parameter is out of range or of the wrong type."""
 
 
+class StructuredOutputError(InvalidRequestError):
+    """A structured-output spec is malformed, too large, or one the grammar library cannot compile."""
+
+
 class PromptTooLongError(InvalidRequestError):
     """The prompt does not fit the model's context or the whole KV pool."""
 

@@ -8,6 +8,9 @@ from dataclasses import dataclass, field
 
 from engine.determinism import MODES as _MODES
 from engine.errors import InvalidSamplingParamsError
+from engine.structured import StructuredOutput
+
+MAX_LOGIT_BIAS = 300  # entries, as OpenAI allows
 
 
 def _check(cond: bool, msg: str) -> None:
@@ -43,6 +46,13 @@ class SamplingParams:
         logprobs: Return the top-N log-probabilities per generated token (0 = only the chosen one).
         skip_special_tokens: Leave special tokens out of ``text``.
         determinism: ``fast``, ``fixed`` or ``batch_invariant``; ``None`` takes the engine's default.
+        presence_penalty: In [-2, 2]: subtracted from the logit of every token already generated.
+        frequency_penalty: In [-2, 2]: times its count, subtracted from the logit of each generated token.
+        repetition_penalty: In (0, 2]: the logit of every token of the prompt or the output is divided by it
+            where positive and multiplied where negative (1 disables).
+        logit_bias: Token id -> bias in [-100, 100] added to its logit (at most 300 entries; ids past the
+            model's vocabulary are refused when the request is added).
+        structured: What the generated text must match (``engine.structured.StructuredOutput``).
     """
 
     n: int = 1
@@ -58,6 +68,11 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     determinism: str | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         _check(_is_int(self.n) and 1 <= self.n <= 128, f"n must be an integer in [1, 128], got {self.n!r}")
@@ -87,6 +102,33 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids)
         _check(self.determinism is None or self.determinism in _MODES,
                f"determinism must be one of {_MODES}, got {self.determinism!r}")
+        self._check_penalties()
+        _check(self.structured is None or isinstance(self.structured, StructuredOutput),
+               "structured must be a StructuredOutput")
+
+    def _check_penalties(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(_is_num(value) and -2.0 <= value <= 2.0,
+                   f"{name} must be a number in [-2, 2], got {value!r}")
+        _check(_is_num(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 2.0,
+               f"repetition_penalty must be a number in (0, 2], got {self.repetition_penalty!r}")
+        if self.logit_bias is None:
+            return
+        _check(isinstance(self.logit_bias, dict), "logit_bias must map token ids to numbers")
+        _check(len(self.logit_bias) <= MAX_LOGIT_BIAS,
+               f"logit_bias has {len(self.logit_bias)} entries; at most {MAX_LOGIT_BIAS} are accepted")
+        for token, bias in self.logit_bias.items():
+            _check(_is_int(token) and token >= 0, f"logit_bias keys must be token ids >= 0, got {token!r}")
+            _check(_is_num(bias) and -100.0 <= bias <= 100.0,
+                   f"logit_bias values must be numbers in [-100, 100], got {bias!r} for token {token}")
+        self.logit_bias = {int(t): float(b) for t, b in self.logit_bias.items()}
+
+    @property
+    def has_penalties(self) -> bool:
+        """Any of the presence, frequency or repetition penalties, or a logit bias, is set."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias)
 
     @property
     def is_greedy(self) -> bool:

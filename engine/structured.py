@@ -1,0 +1,93 @@
+"""Structured outputs: what a request's text must match (a JSON schema, any JSON object, a regex, one of
+a list of strings, or an EBNF/Lark grammar), checked for shape and size before any compile work."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from engine.errors import StructuredOutputError
+
+MAX_SPEC_BYTES = 64 * 1024  # the most a spec (schema, regex, grammar, the choices together) may take
+MAX_CHOICES = 1024
+MAX_CACHE_KEY_BYTES = 256
+KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise StructuredOutputError(msg)
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutput:
+    """A constraint on a request's generated text: exactly one of the kinds below.
+
+    Attributes:
+        json_schema: A JSON schema, as JSON text: the text is a JSON value that validates against it.
+        json_object: Any JSON object.
+        regex: The text matches this regular expression (Rust ``regex`` syntax, anchored at both ends).
+        choice: The text is exactly one of these strings.
+        grammar: A context-free grammar in Lark syntax or llama.cpp's GBNF (``root ::= ...``).
+        cache_key: An opaque namespace (the tenant, say): compiled grammars are cached per
+            (cache_key, kind, spec), so callers under different keys never share an entry.
+
+    Raises:
+        StructuredOutputError: Not exactly one kind, a wrong type, or a spec over ``MAX_SPEC_BYTES``.
+    """
+
+    json_schema: str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    cache_key: str = ""
+
+    def __post_init__(self) -> None:
+        given = [k for k in KINDS if getattr(self, k) not in (None, False)]
+        _check(len(given) == 1, f"structured output needs exactly one of {', '.join(KINDS)}; got "
+                                f"{', '.join(given) or 'none'}")
+        _check(isinstance(self.json_object, bool), "json_object must be a boolean")
+        for name in ("json_schema", "regex", "grammar"):
+            value = getattr(self, name)
+            _check(value is None or isinstance(value, str), f"{name} must be a string")
+            _check(value != "", f"{name} must not be empty")
+        _check(isinstance(self.cache_key, str) and len(self.cache_key.encode()) <= MAX_CACHE_KEY_BYTES,
+               f"cache_key must be a string of at most {MAX_CACHE_KEY_BYTES} bytes")
+        if self.choice is not None:
+            _check(isinstance(self.choice, (tuple, list)) and 0 < len(self.choice) <= MAX_CHOICES,
+                   f"choice must be a list of 1 to {MAX_CHOICES} strings")
+            _check(all(isinstance(c, str) and c for c in self.choice), "choice must hold non-empty strings")
+            object.__setattr__(self, "choice", tuple(self.choice))
+        size = len(self.spec.encode("utf-8", "surrogatepass"))
+        _check(size <= MAX_SPEC_BYTES,
+               f"the {self.kind} spec is {size} bytes; the most accepted is {MAX_SPEC_BYTES}")
+        if self.json_schema is not None:
+            try:
+                schema = json.loads(self.json_schema)
+            except ValueError as e:
+                raise StructuredOutputError(f"json_schema is not valid JSON: {e}") from None
+            _check(isinstance(schema, (dict, bool)), "json_schema must be a JSON object (or a boolean)")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint this is: one of ``KINDS``."""
+        return next(k for k in KINDS if getattr(self, k) not in (None, False))
+
+    @property
+    def spec(self) -> str:
+        """The constraint as text (the choices as a JSON list): with ``kind`` and ``cache_key``, the
+        compiled-grammar cache's key."""
+        if self.choice is not None:
+            return json.dumps(list(self.choice))
+        if self.json_object:
+            return ""
+        return getattr(self, self.kind)
+
+    @property
+    def cache_id(self) -> tuple[str, str, str]:
+        return (self.cache_key, self.kind, self.spec)
+
+    def __repr__(self) -> str:  # never the spec itself, which can carry a caller's data: its size only
+        return (f"StructuredOutput(kind={self.kind}, spec_bytes={len(self.spec.encode('utf-8', 'replace'))}, "
+                f"cache_key_set={bool(self.cache_key)})")
