@@ -29,6 +29,9 @@ class EngineConfig:
             dense weights only by bfloat16's rounding of each group's scale), ``on`` (any checkpoint;
             lossy) or ``off``.
         int4_max_rows: The most tokens in a step that uses the 4-bit copies.
+        fused_decode: Run every layer of a decode-only step on the 4-bit copies in one C++ call (plain
+            loops for the norms, RoPE, activation and residuals between ATen's int4 matmuls and the fused
+            attention kernel) instead of ~35 torch ops a layer; off runs the same arithmetic op by op.
         kv_cache_dtype: ``auto`` (float32 on the CPU, where small-M bfloat16 batched matmuls are ~10x
             slower than float32 ones and decode attention is all small-M; the model dtype on GPUs), or an
             explicit dtype.
@@ -67,6 +70,7 @@ class EngineConfig:
     device: str = "cpu"
     int4_decode: str = "auto"
     int4_max_rows: int = 8
+    fused_decode: bool = True
     kv_cache_dtype: str = "auto"
     block_size: int = 16
     kv_cache_memory: int | None = None

@@ -123,6 +123,7 @@ def _maybe_pack_int4(config: EngineConfig, model: LlamaForCausalLM, dtype: torch
     with torch.inference_mode():
         used = model.pack_int4(config.int4_max_rows, exact_only)
         head = used and prepare_int8_kernel(config.cache_dir) and model.pack_int8_head(exact_only)
+    model.fused_decode = model.fused_decode and config.fused_decode
     logger.info("4-bit layer weights for steps of <= %d tokens: %s; 8-bit LM head: %s", config.int4_max_rows,
                 "on" if used else "off (the checkpoint's weights are not 4-bit)", "on" if head else "off")
 

@@ -36,14 +36,19 @@ class KernelBuildError(RuntimeError):
 @dataclass(slots=True)
 class _Extension:
     prefix: str
-    source: Path
+    source: Path  # the file that defines the module
     cflags: list[str]
+    others: tuple[Path, ...] = ()  # further sources and headers built with it
     module: ModuleType | None = None
     error: KernelBuildError | None = None  # a failed build is not retried in this process
 
+    def sources(self) -> list[Path]:
+        return [self.source, *(p for p in self.others if p.suffix == ".cpp")]
+
 
 _ROWS = _Extension("kvgate_cpu", _CSRC / "paged_attention_rows.cpp", _CFLAGS)
-_DECODE = _Extension("kvgate_decode", _CSRC / "paged_decode_attention.cpp", _DECODE_CFLAGS)
+_DECODE = _Extension("kvgate_decode", _CSRC / "fused_decode_layers.cpp", _DECODE_CFLAGS,
+                     (_CSRC / "paged_decode_attention.cpp", _CSRC / "decode.h"))
 _HEAD = _Extension("kvgate_int8", _CSRC / "int8_group_linear.cpp", _DECODE_CFLAGS)
 
 
@@ -62,7 +67,7 @@ def _cpu_identity() -> str:
 def _build_tag(ext: _Extension) -> str:
     """Builds use -march=native, so a build is only valid on a CPU with the same instructions."""
     material = "|".join((platform.machine(), _cpu_identity(), torch.__version__, " ".join(ext.cflags),
-                         ext.source.read_text()))
+                         *(p.read_text() for p in (ext.source, *ext.others))))
     return hashlib.sha256(material.encode()).hexdigest()[:16]
 
 
@@ -108,7 +113,7 @@ def _load(ext: _Extension, build_root: str | Path) -> ModuleType:
         try:
             build_dir.mkdir(parents=True, exist_ok=True)
             with _build_lock(build_dir, BUILD_WAIT_S):
-                ext.module = cpp_extension.load(name=name, sources=[str(ext.source)],
+                ext.module = cpp_extension.load(name=name, sources=[str(p) for p in ext.sources()],
                                                 build_directory=str(build_dir), extra_cflags=ext.cflags,
                                                 extra_ldflags=_LDFLAGS, verbose=False)
         except KernelBuildError as e:
@@ -208,3 +213,42 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     if _DECODE.module is None:
         raise RuntimeError("the fused decode kernel is not loaded: call load_decode_kernel first")
     return _DECODE.module.paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, scale)
+
+
+@dataclass(slots=True)
+class DecodeLayerWeights:
+    """What ``fused_decode_layers`` reads of every layer, in layer order: the two RMSNorm weights
+    (bfloat16 [hidden]) and the 4-bit (packed, scales) pairs of qkv, o, gate_up and down."""
+
+    norms: list[torch.Tensor]  # 2 per layer
+    packed: list[torch.Tensor]  # 4 per layer
+    scales_zeros: list[torch.Tensor]  # 4 per layer
+
+
+def fused_decode_layers(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weights: DecodeLayerWeights,
+                        kv_caches: list[tuple[torch.Tensor, torch.Tensor]], slot_mapping: torch.Tensor,
+                        decode_rows: tuple[torch.Tensor, torch.Tensor], heads: tuple[int, int, int],
+                        eps: float, scale: float) -> torch.Tensor:
+    """Every decoder layer of a decode-only step of a few rows, in one call (csrc/fused_decode_layers.cpp).
+
+    Args:
+        x: [rows, hidden] bfloat16 embeddings. cos, sin: [rows, head_dim] bfloat16 at each row's position.
+        weights: every layer's norms and 4-bit weights (no biases).
+        kv_caches: each layer's (K, V) [num_blocks, block_size, num_kv_heads, head_dim], float32 or
+            bfloat16; each row's new K/V is written at its ``slot_mapping`` slot.
+        decode_rows: each row's block table [rows, max_blocks] and context length [rows] (including
+            the new token).
+        heads: (num_heads, num_kv_heads, head_dim).
+
+    Returns:
+        [rows, hidden] bfloat16: the last layer's output (before the final norm).
+
+    Raises:
+        RuntimeError: the kernel is not loaded, or a shape, dtype, slot or block id is out of range.
+    """
+    if _DECODE.module is None:
+        raise RuntimeError("the fused decode kernel is not loaded: call load_decode_kernel first")
+    tables, lens = decode_rows
+    return _DECODE.module.fused_decode_layers(
+        x, cos, sin, weights.norms, weights.packed, weights.scales_zeros, [k for k, _ in kv_caches],
+        [v for _, v in kv_caches], slot_mapping, tables, lens, *heads, eps, scale)

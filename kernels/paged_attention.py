@@ -121,7 +121,7 @@ def _decode_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     return out  # [g, Hkv, G, Dh]
 
 
-def _decode_rows(meta: AttentionMetadata, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def decode_rows(meta: AttentionMetadata, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Every decode row's block table (the padding between groups is never read: these kernels stop at
     each row's context length) and context length."""
     if meta.decode_rows is None:
@@ -155,7 +155,7 @@ def _decode_torch(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 def _decode_fused(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                   scale: float, out: torch.Tensor) -> None:
     """All decode rows in one call of the C++ kernel, K/V read in place."""
-    tables, lens = _decode_rows(meta, k_cache.shape[1])
+    tables, lens = decode_rows(meta, k_cache.shape[1])
     n = meta.num_decode_tokens
     out[:n] = paged_decode_attention(query[:n], k_cache, v_cache, tables, lens, scale)
 
@@ -167,7 +167,7 @@ def _decode_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     and leave a GPU idle behind the host."""
     from kernels.triton_bi import paged_attention_rows_triton
 
-    tables, lens = _decode_rows(meta, k_cache.shape[1])
+    tables, lens = decode_rows(meta, k_cache.shape[1])
     n = meta.num_decode_tokens
     rows = torch.arange(n, device=query.device)
     out[:n] = paged_attention_rows_triton(query[:n].to(k_cache.dtype), k_cache, v_cache, tables, rows, lens,

@@ -10,7 +10,16 @@ from torch import nn
 from engine.determinism import Linear, TilePlan, TritonPlan, tiled_linear
 from engine.errors import ModelLoadError
 from engine.loader import ModelConfig
-from kernels import AttentionMetadata, int8, paged_attention, store_kv
+from kernels import (
+           AttentionMetadata,
+           DecodeLayerWeights,
+           decode_kernel_loaded,
+           decode_rows,
+           fused_decode_layers,
+           int8,
+           paged_attention,
+           store_kv,
+)
 from kernels.int4 import Int4Weight, int4_linear, is_exact, pack_int4
 
 _PROJECTIONS = ("qkv", "o", "gate_up", "down")
@@ -96,6 +105,8 @@ class LlamaForCausalLM(nn.Module):
         self.head_t: torch.Tensor | None = None  # see place_head()
         self.int4_max_rows = 0  # steps of at most this many tokens use the layers' 4-bit copies
         self.head_int8: int8.Int8Weight | None = None  # the LM head's 8-bit copy for as few rows
+        self.fused_decode = False  # decode-only steps on the 4-bit copies run as one C++ call
+        self._fused_weights: DecodeLayerWeights | None = None
         self.init_rope(max_model_len)
 
     def init_rope(self, max_model_len: int) -> None:
@@ -112,9 +123,30 @@ class LlamaForCausalLM(nn.Module):
         cos = self.cos_cache[positions].to(x.dtype).unsqueeze(1)
         sin = self.sin_cache[positions].to(x.dtype).unsqueeze(1)
         use_int4 = meta.linear_plan is None and x.shape[0] <= self.int4_max_rows
+        if use_int4 and self._can_fuse(x, meta, kv_caches):
+            return self._fused_forward(x, cos, sin, meta, kv_caches)
         for layer, kv in zip(self.layers, kv_caches, strict=True):
             x = layer(x, cos, sin, meta, kv, use_int4)
         return x
+
+    def _can_fuse(self, x: torch.Tensor, meta: AttentionMetadata,
+                  kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
+        """A decode-only step of the fast path on the CPU, which ``fused_decode_layers`` runs whole."""
+        return (self.fused_decode and not meta.prefills and meta.invariant is None
+                and meta.num_decode_tokens == x.shape[0] and x.dtype == torch.bfloat16
+                and kv_caches[0][0].dtype in (torch.float32, torch.bfloat16) and decode_kernel_loaded())
+
+    def _fused_forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
+                       kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        if self._fused_weights is None:
+            self._fused_weights = DecodeLayerWeights(
+                [n for layer in self.layers for n in (layer.input_norm.detach(), layer.post_norm.detach())],
+                [layer.int4[p].packed for layer in self.layers for p in _PROJECTIONS],
+                [layer.int4[p].scales_zeros for layer in self.layers for p in _PROJECTIONS])
+        first = self.layers[0]
+        heads = (first.num_heads, first.num_kv_heads, first.head_dim)
+        return fused_decode_layers(x, cos[:, 0], sin[:, 0], self._fused_weights, kv_caches, meta.slot_mapping,
+                                   decode_rows(meta, kv_caches[0][0].shape[1]), heads, first.eps, first.scale)
 
     def pack_int4(self, max_rows: int, exact_only: bool) -> bool:
         """Keep a 4-bit copy of every layer's weights for steps of at most ``max_rows`` tokens (the model
@@ -131,6 +163,8 @@ class LlamaForCausalLM(nn.Module):
         for layer, weights in zip(self.layers, packed, strict=True):
             layer.int4 = weights
         self.int4_max_rows = max_rows
+        # the fused decode step has no bias terms: models with any (Qwen2's qkv) run layer by layer
+        self.fused_decode = all(w.bias is None for weights in packed for w in weights.values())
         return True
 
     def pack_int8_head(self, exact_only: bool) -> bool:

@@ -6,7 +6,9 @@
 //
 // Unlike paged_attention_rows.cpp this kernel promises no bitwise result: its last bits may change with
 // the instruction set it was built for. Entries of a block table past a row's context are never read.
+// The extension's module is defined in fused_decode_layers.cpp, built with this file.
 #include <torch/extension.h>
+#include "decode.h"
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 
@@ -324,11 +326,4 @@ bool built_with_avx512() {
 #else
   return false;
 #endif
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  // The GIL is released: an engine thread in the gateway's process must not stall its event loop.
-  m.def("paged_decode_attention", &paged_decode_attention, "Fused paged decode attention (CPU)",
-        py::call_guard<py::gil_scoped_release>());
-  m.def("built_with_avx512", &built_with_avx512, "Whether the AVX-512 path was compiled in");
 }

@@ -66,7 +66,7 @@ def test_auto_leaves_a_dense_checkpoint_dense(tiny_engine_factory):
 
 def test_steps_of_few_rows_use_the_four_bit_weights_and_larger_ones_the_dense(tiny_engine_factory,
                                                                               monkeypatch):
-    engine = tiny_engine_factory(dtype="bfloat16", int4_decode="on", int4_max_rows=4,
+    engine = tiny_engine_factory(dtype="bfloat16", int4_decode="on", int4_max_rows=4, fused_decode=False,
                                  determinism_modes=("fast",))
     rows_seen: list[int] = []
     real = int4_mod.int4_linear

@@ -1,0 +1,195 @@
+// Every decoder layer of a few-row decode step in one call (the CPU's fast path with 4-bit weights).
+//
+// A one-token step of a small model is bound by dispatch, not arithmetic: each layer is ~35 torch ops
+// (norms, RoPE, casts, residual adds, the KV write) of 1-5 us each around four 4-bit matmuls. Here the
+// elementwise work runs as plain loops over the step's few rows, the matmuls call ATen's int4 kernel
+// directly, and attention calls the fused paged kernel, all without returning to Python.
+//
+// Each elementwise op rounds to bfloat16 where torch's bfloat16 op would (RMSNorm's statistics in
+// float32 then the weight product, RoPE's two products and their sum, SiLU then the gate product,
+// residual adds), so results match the layer-by-layer path up to the order of RMSNorm's float32 sum.
+#include <torch/extension.h>
+#include <c10/util/BFloat16.h>
+
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "decode.h"
+
+namespace {
+
+using bf16 = c10::BFloat16;
+
+inline float f(bf16 v) { return static_cast<float>(v); }
+inline bf16 r(float v) { return static_cast<bf16>(v); }  // round to nearest even, as torch's casts do
+
+struct Shape {
+  int64_t rows, hidden, num_heads, num_kv_heads, head_dim;
+  double eps, scale;
+  int64_t q_width() const { return num_heads * head_dim; }
+  int64_t kv_width() const { return num_kv_heads * head_dim; }
+};
+
+// out = weight * bf16(x * rsqrt(mean(x^2) + eps)), per row; x, out: [rows, hidden].
+void rms_norm(const bf16* x, const bf16* weight, bf16* out, const Shape& s) {
+  for (int64_t i = 0; i < s.rows; ++i) {
+    const bf16* row = x + i * s.hidden;
+    float sum = 0.f;
+    for (int64_t j = 0; j < s.hidden; ++j) sum += f(row[j]) * f(row[j]);
+    const float inv = 1.f / std::sqrt(sum / static_cast<float>(s.hidden) + static_cast<float>(s.eps));
+    for (int64_t j = 0; j < s.hidden; ++j) out[i * s.hidden + j] = r(f(weight[j]) * f(r(f(row[j]) * inv)));
+  }
+}
+
+// Rotate-half RoPE of `heads` heads starting at src (row stride src_stride) into dst ([rows, heads, Dh]).
+void rope(const bf16* src, int64_t src_stride, int64_t heads, const bf16* cos, const bf16* sin, bf16* dst,
+          const Shape& s) {
+  const int64_t d = s.head_dim, half = d / 2;
+  for (int64_t i = 0; i < s.rows; ++i) {
+    const bf16* c = cos + i * d;
+    const bf16* sn = sin + i * d;
+    for (int64_t h = 0; h < heads; ++h) {
+      const bf16* x = src + i * src_stride + h * d;
+      bf16* o = dst + (i * heads + h) * d;
+      for (int64_t j = 0; j < d; ++j) {
+        const float rotated = j < half ? -f(x[j + half]) : f(x[j - half]);
+        o[j] = r(f(r(f(x[j]) * f(c[j]))) + f(r(rotated * f(sn[j]))));
+      }
+    }
+  }
+}
+
+// Write the step's roped K and its V into their cache slots (the cache may be float32 or bfloat16).
+template <typename KV>
+void store(const bf16* k, const bf16* v, int64_t v_stride, const int64_t* slots, KV* kc, KV* vc,
+           const Shape& s) {
+  const int64_t w = s.kv_width();
+  for (int64_t i = 0; i < s.rows; ++i) {
+    KV* kd = kc + slots[i] * w;
+    KV* vd = vc + slots[i] * w;
+    for (int64_t j = 0; j < w; ++j) {
+      kd[j] = static_cast<KV>(f(k[i * w + j]));
+      vd[j] = static_cast<KV>(f(v[i * v_stride + j]));
+    }
+  }
+}
+
+// x += y, rounding each sum to bfloat16; n elements.
+void add_into(bf16* x, const bf16* y, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) x[j] = r(f(x[j]) + f(y[j]));
+}
+
+// act = bf16(silu(gate)) * up, per row of gate_up [rows, 2 * inter] (gate first).
+void silu_mul(const bf16* gate_up, bf16* act, int64_t rows, int64_t inter) {
+  for (int64_t i = 0; i < rows; ++i) {
+    const bf16* g = gate_up + i * 2 * inter;
+    for (int64_t j = 0; j < inter; ++j) {
+      const float gv = f(g[j]);
+      act[i * inter + j] = r(f(r(gv / (1.f + std::exp(-gv)))) * f(g[inter + j]));
+    }
+  }
+}
+
+torch::Tensor int4_mm(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& sz) {
+  return at::_weight_int4pack_mm_for_cpu(x, packed, 32, sz);
+}
+
+void check_inputs(const torch::Tensor& x, const std::vector<torch::Tensor>& norms,
+                  const std::vector<torch::Tensor>& packed, const std::vector<torch::Tensor>& sz,
+                  const std::vector<torch::Tensor>& k_caches, const std::vector<torch::Tensor>& v_caches,
+                  const torch::Tensor& slots) {
+  const size_t layers = k_caches.size();
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.is_contiguous(),
+              "x must be a contiguous [rows, hidden] bfloat16 tensor");
+  TORCH_CHECK(norms.size() == 2 * layers && packed.size() == 4 * layers && sz.size() == 4 * layers &&
+                  v_caches.size() == layers, "two norms, four weights and one K/V cache pair per layer");
+  TORCH_CHECK(slots.scalar_type() == torch::kInt64 && slots.numel() == x.size(0), "one int64 slot per row");
+  for (const auto& n : norms) {
+    TORCH_CHECK(n.scalar_type() == torch::kBFloat16 && n.is_contiguous() && n.numel() == x.size(1),
+                "norm weights must be contiguous bfloat16 [hidden]");
+  }
+  for (size_t l = 0; l < layers; ++l) {
+    TORCH_CHECK(k_caches[l].is_contiguous() && v_caches[l].is_contiguous() &&
+                    k_caches[l].scalar_type() == v_caches[l].scalar_type(), "bad KV cache of layer ", l);
+  }
+}
+
+template <typename KV>
+void store_for(const torch::Tensor& qkv, const torch::Tensor& k_roped, const int64_t* slots,
+               const torch::Tensor& kc, const torch::Tensor& vc, const Shape& s) {
+  const int64_t width = qkv.size(1);
+  const bf16* v = qkv.data_ptr<bf16>() + s.q_width() + s.kv_width();
+  store<KV>(k_roped.data_ptr<bf16>(), v, width, slots, kc.data_ptr<KV>(), vc.data_ptr<KV>(), s);
+}
+
+// One layer, in place on x ([rows, hidden] bfloat16). w: this layer's four (packed, scales) pairs.
+void layer(torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin, const bf16* in_norm,
+           const bf16* post_norm, const torch::Tensor* packed, const torch::Tensor* sz, const torch::Tensor& kc,
+           const torch::Tensor& vc, const torch::Tensor& slots, const torch::Tensor& tables,
+           const torch::Tensor& ctx, const Shape& s) {
+  auto h = torch::empty_like(x);
+  rms_norm(x.data_ptr<bf16>(), in_norm, h.data_ptr<bf16>(), s);
+  auto qkv = int4_mm(h, packed[0], sz[0]);  // [rows, q + 2 kv]
+  const int64_t width = qkv.size(1);
+  auto q = torch::empty({s.rows, s.num_heads, s.head_dim}, x.options());
+  auto k = torch::empty({s.rows, s.num_kv_heads, s.head_dim}, x.options());
+  const bf16* c = cos.data_ptr<bf16>();
+  const bf16* sn = sin.data_ptr<bf16>();
+  rope(qkv.data_ptr<bf16>(), width, s.num_heads, c, sn, q.data_ptr<bf16>(), s);
+  rope(qkv.data_ptr<bf16>() + s.q_width(), width, s.num_kv_heads, c, sn, k.data_ptr<bf16>(), s);
+  if (kc.scalar_type() == torch::kFloat32) {
+    store_for<float>(qkv, k, slots.data_ptr<int64_t>(), kc, vc, s);
+  } else {
+    TORCH_CHECK(kc.scalar_type() == torch::kBFloat16, "KV cache must be float32 or bfloat16");
+    store_for<bf16>(qkv, k, slots.data_ptr<int64_t>(), kc, vc, s);
+  }
+  auto attn = paged_decode_attention(q, kc, vc, tables, ctx, s.scale).view({s.rows, s.q_width()});
+  auto o = int4_mm(attn, packed[1], sz[1]);
+  add_into(x.data_ptr<bf16>(), o.data_ptr<bf16>(), x.numel());
+  rms_norm(x.data_ptr<bf16>(), post_norm, h.data_ptr<bf16>(), s);
+  auto gate_up = int4_mm(h, packed[2], sz[2]);
+  const int64_t inter = gate_up.size(1) / 2;
+  auto act = torch::empty({s.rows, inter}, x.options());
+  silu_mul(gate_up.data_ptr<bf16>(), act.data_ptr<bf16>(), s.rows, inter);
+  auto down = int4_mm(act, packed[3], sz[3]);
+  add_into(x.data_ptr<bf16>(), down.data_ptr<bf16>(), x.numel());
+}
+
+}  // namespace
+
+torch::Tensor fused_decode_layers(torch::Tensor x, torch::Tensor cos, torch::Tensor sin,
+                                  std::vector<torch::Tensor> norms, std::vector<torch::Tensor> packed,
+                                  std::vector<torch::Tensor> sz, std::vector<torch::Tensor> k_caches,
+                                  std::vector<torch::Tensor> v_caches, torch::Tensor slot_mapping,
+                                  torch::Tensor block_tables, torch::Tensor context_lens, int64_t num_heads,
+                                  int64_t num_kv_heads, int64_t head_dim, double eps, double scale) {
+  check_inputs(x, norms, packed, sz, k_caches, v_caches, slot_mapping);
+  TORCH_CHECK(cos.scalar_type() == torch::kBFloat16 && sin.scalar_type() == torch::kBFloat16 &&
+                  cos.numel() == x.size(0) * head_dim && sin.numel() == cos.numel(),
+              "cos and sin must be bfloat16 [rows, head_dim]");
+  cos = cos.contiguous();
+  sin = sin.contiguous();
+  slot_mapping = slot_mapping.contiguous();
+  const Shape s{x.size(0), x.size(1), num_heads, num_kv_heads, head_dim, eps, scale};
+  const int64_t kv_slots = k_caches.empty() ? 0 : k_caches[0].numel() / s.kv_width();
+  for (int64_t i = 0; i < s.rows; ++i) {
+    const int64_t slot = slot_mapping.data_ptr<int64_t>()[i];
+    TORCH_CHECK(slot >= 0 && slot < kv_slots, "slot ", slot, " of row ", i, " is out of range");
+  }
+  x = x.clone();
+  for (size_t l = 0; l < k_caches.size(); ++l) {
+    layer(x, cos, sin, norms[2 * l].data_ptr<bf16>(), norms[2 * l + 1].data_ptr<bf16>(), &packed[4 * l],
+          &sz[4 * l], k_caches[l], v_caches[l], slot_mapping, block_tables, context_lens, s);
+  }
+  return x;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  // The GIL is released: an engine thread in the gateway's process must not stall its event loop.
+  m.def("paged_decode_attention", &paged_decode_attention, "Fused paged decode attention (CPU)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("fused_decode_layers", &fused_decode_layers, "Every decoder layer of a few-row int4 decode step",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("built_with_avx512", &built_with_avx512, "Whether the AVX-512 path was compiled in");
+}
