@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install model test serve demo bench lint fuzz clean
+.PHONY: install model browser test serve demo bench lint fuzz clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -23,7 +23,16 @@ install: $(STAMP)
 model: install
 	$(BIN)/kvgate model prepare
 
-test: model
+# Debian's Chromium for the console's browser tests, where we can install it (root, with apt-get); it never
+# fails the build: without it those tests skip and say why.
+browser:
+	@if [ ! -x /usr/bin/chromium ] && command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
+		apt-get install -y -q chromium >/dev/null 2>&1 \
+		|| { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q chromium >/dev/null 2>&1; } \
+		|| echo "chromium could not be installed: the console's browser tests will skip"; \
+	fi
+
+test: model browser
 	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=30
 
 serve: model

@@ -16,6 +16,7 @@ from litestar.plugins import InitPluginProtocol
 
 from gateway.audit_hook import AuditHook, AuditSink
 from gateway.auth import PUBLIC_PATHS, ApiKeyAuthMiddleware
+from gateway.console import console_router
 from gateway.controllers.admin import AdminController
 from gateway.controllers.audit import AuditController
 from gateway.controllers.health import healthz, metrics, readyz
@@ -49,7 +50,8 @@ class GatewayPlugin(InitPluginProtocol):
 
     def _configure_routes(self, cfg: AppConfig) -> None:
         cfg.route_handlers.extend(
-            [OpenAIController, AdminController, AuditController, healthz, readyz, metrics]
+            [OpenAIController, AdminController, AuditController, healthz, readyz, metrics,
+             console_router()]
         )
 
     def _configure_dependencies(self, cfg: AppConfig) -> None:

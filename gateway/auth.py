@@ -34,14 +34,14 @@ def _bearer(connection: ASGIConnection) -> str:
     return token
 
 
-def _peer(connection: ASGIConnection) -> str:
+def peer_address(connection: ASGIConnection) -> str:
     """The client's address as the server saw it (behind a proxy: what the proxy headers say, when the
     server trusts them)."""
     client = connection.client
     return client.host[:64] if client is not None and client.host else "unknown"
 
 
-def _failures(connection: ASGIConnection) -> AuthFailures:
+def auth_failures(connection: ASGIConnection) -> AuthFailures:
     """The app's failure counts (made on first use: middleware instances are per route)."""
     state = connection.app.state
     failures = state.get("auth_failures")
@@ -85,7 +85,7 @@ class ApiKeyAuthMiddleware(AbstractAuthenticationMiddleware):
         # The route template, not the concrete path: a path parameter may carry user content.
         path = connection.scope.get("path_template") or connection.scope["path"]
         clear_request_context()
-        failures, peer = _failures(connection), _peer(connection)
+        failures, peer = auth_failures(connection), peer_address(connection)
         retry_after = failures.retry_after(peer)
         if retry_after is not None:  # answered without touching the database
             await failures.record(peer, THROTTLED, path, may_write=False)

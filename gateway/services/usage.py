@@ -30,19 +30,20 @@ async def usage_report(
     if end is not None:
         stmt = stmt.where(UsageCounter.window_start < int(end.timestamp()))
     rows = await session.scalars(stmt.order_by(UsageCounter.window_start))
-    return [
-        UsageRow(
-            tenant_id=r.tenant_id,
-            window=r.window,
-            window_start=datetime.fromtimestamp(r.window_start, UTC),
-            num_requests=r.num_requests,
-            prompt_tokens=r.num_prompt_tokens,
-            completion_tokens=r.num_completion_tokens,
-            cached_tokens=r.num_cached_tokens,
-            total_tokens=r.num_prompt_tokens + r.num_completion_tokens,
-        )
-        for r in rows
-    ]
+    return [_row(r) for r in rows]
+
+
+def _row(r: UsageCounter) -> UsageRow:
+    return UsageRow(
+        tenant_id=r.tenant_id,
+        window=r.window,
+        window_start=datetime.fromtimestamp(r.window_start, UTC),
+        num_requests=r.num_requests,
+        prompt_tokens=r.num_prompt_tokens,
+        completion_tokens=r.num_completion_tokens,
+        cached_tokens=r.num_cached_tokens,
+        total_tokens=r.num_prompt_tokens + r.num_completion_tokens,
+    )
 
 
 def to_csv(rows: list[UsageRow]) -> str:
@@ -55,3 +56,12 @@ def to_csv(rows: list[UsageRow]) -> str:
         data["window_start"] = row.window_start.isoformat()
         writer.writerow(data)
     return buf.getvalue()
+
+
+async def window_totals(session: AsyncSession, window: str, window_start: datetime) -> dict[str, UsageRow]:
+    """Every tenant's settled usage in one window (tenants without usage in it are absent), by tenant id."""
+    if window not in REPORT_WINDOWS:
+        raise InvalidRequest(f"window must be one of {', '.join(REPORT_WINDOWS)}.", param="window")
+    rows = await session.scalars(select(UsageCounter).where(
+        UsageCounter.window == window, UsageCounter.window_start == int(window_start.timestamp())))
+    return {r.tenant_id: _row(r) for r in rows}

@@ -31,7 +31,8 @@ async def _document(gw) -> dict[str, Any]:
 
 
 def _operations(app) -> list[tuple[str, str, bool]]:
-    """``(path, method, whether the handler reads the body)`` of every route but /schema's own."""
+    """``(path, method, whether the handler reads the body)`` of every route but /schema's own and the
+    console's pages (``include_in_schema=False``: HTML for browsers, not an API)."""
     found = []
     for route in app.routes:
         if route.path_format.startswith("/schema"):
@@ -40,7 +41,7 @@ def _operations(app) -> list[tuple[str, str, bool]]:
             found.append((route.path_format, "post", True))  # an ASGI handler reads its own body
         elif isinstance(route, HTTPRoute):
             for method, (handler, _) in route.route_handler_map.items():
-                if method not in ("OPTIONS", "HEAD"):
+                if method not in ("OPTIONS", "HEAD") and handler.resolve_include_in_schema():
                     reads = "request" in handler.parsed_fn_signature.parameters  # parse_body(request.body())
                     found.append((route.path_format, method.lower(), reads))
     return found
