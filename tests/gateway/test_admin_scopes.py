@@ -25,7 +25,8 @@ def _admin_routes(app) -> list[tuple[str, str]]:
             continue
         for handler in route.route_handlers:
             is_admin = requires_admin in handler.resolve_guards()
-            if route.path_format.startswith(("/admin/v1", "/metrics")) and "OPTIONS" not in handler.http_methods:
+            is_api = route.path_format.startswith(("/admin/v1", "/metrics"))  # /admin/...: the console
+            if is_api and "OPTIONS" not in handler.http_methods:
                 assert is_admin, f"{route.path_format} is not behind the admin guard"
             if is_admin:
                 found += [(m, route.path_format) for m in handler.http_methods if m != "OPTIONS"]
