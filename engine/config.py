@@ -56,9 +56,10 @@ class EngineConfig:
         cache_dir: Where converted models (and built C++ kernels) live; ``None`` uses ``$KVGATE_CACHE``
             or ``~/.cache/kvgate``.
         determinism: Mode of requests that name none: ``fast``, ``fixed`` or ``batch_invariant``.
-        determinism_modes: Modes this engine serves. ``fixed`` turns on torch's deterministic algorithms
-            for the process; ``batch_invariant`` builds the C++ attention kernel (once, about 30 s) and
-            checks at start-up that this machine's matmuls are row-invariant.
+        determinism_modes: Modes this engine serves. ``fixed`` steps run under torch's deterministic
+            algorithms (on only while a step holds ``fixed`` sequences); ``batch_invariant`` builds the
+            C++ attention kernel (once, about 30 s) and checks at start-up that this machine's matmuls
+            are row-invariant.
         invariant_backend: Kernels of ``batch_invariant`` mode: ``auto`` (the C++ kernel and tiled BLAS
             matmuls on the CPU, Triton kernels on CUDA), ``cpp`` or ``triton`` (on a CPU only under
             ``TRITON_INTERPRET=1``, for tests).

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
+from collections.abc import Iterator
 
 import torch
 
@@ -148,6 +150,24 @@ def verify_row_invariance(linears: list[Linear], max_rows: int, plan: TilePlan |
                     k, n = weight.shape[1], weight.shape[0]
                     return f"a [{m}, {k}] x [{k}, {n}] tiled matmul changed row {pos}"
     return None
+
+
+@contextlib.contextmanager
+def deterministic_algorithms(enabled: bool) -> Iterator[None]:
+    """torch's deterministic algorithms (and cuDNN's) for the span of one step that holds ``fixed``
+    sequences, off again after it: they are process-wide switches, and left on they would slow every
+    ``fast`` step too (on CUDA every ``torch.empty`` is then filled with NaN, and ops pick slower
+    kernels). A step that holds no ``fixed`` sequence runs under whatever the process had set."""
+    if not enabled or torch.are_deterministic_algorithms_enabled():
+        yield
+        return
+    cudnn = torch.backends.cudnn
+    torch.use_deterministic_algorithms(True)
+    try:
+        with cudnn.flags(enabled=cudnn.enabled, benchmark=False, deterministic=True):
+            yield
+    finally:
+        torch.use_deterministic_algorithms(False)
 
 
 def system_fingerprint(weights_digest: str, tokenizer_digest: str, mode: str, kernel_config: dict) -> str:

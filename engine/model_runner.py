@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.determinism import BATCH_INVARIANT
+from engine.determinism import BATCH_INVARIANT, FIXED, deterministic_algorithms
 from engine.request import Sequence, TokenLogprobs
 from engine.sampler import sample
 from kernels import AttentionMetadata, DecodeGroup, InvariantRows, PrefillSpan
@@ -158,11 +158,14 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, scheduled: list[tuple[Sequence, int]]
                 ) -> tuple[list[Sequence], list[int], list[TokenLogprobs | None]]:
-        """Run one step; return the sequences that sampled, their new tokens and logprobs."""
-        input_ids, positions, meta, rows, seqs = self.prepare(scheduled)
-        hidden = self.model(input_ids, positions, meta, self.kv_caches)
-        if not rows:
-            return [], [], []
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)], meta.linear_plan)
-        tokens, logprobs = sample(logits.cpu(), seqs)
-        return seqs, tokens, logprobs
+        """Run one step; return the sequences that sampled, their new tokens and logprobs. A step that
+        holds ``fixed`` sequences runs under torch's deterministic algorithms, and only such a step."""
+        with deterministic_algorithms(any(s.mode == FIXED for s, _ in scheduled)):
+            input_ids, positions, meta, rows, seqs = self.prepare(scheduled)
+            hidden = self.model(input_ids, positions, meta, self.kv_caches)
+            if not rows:
+                return [], [], []
+            logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)],
+                                               meta.linear_plan)
+            tokens, logprobs = sample(logits.cpu(), seqs)
+            return seqs, tokens, logprobs

@@ -185,13 +185,12 @@ def load_model(config: EngineConfig) -> LoadedModel:
 
 def setup_determinism(config: EngineConfig, loaded: LoadedModel) -> Determinism:
     """Turn on what the served modes need and compute the per-mode system fingerprints."""
-    if FIXED in config.determinism_modes:
-        torch.use_deterministic_algorithms(True)
-        if loaded.device.type == "cuda":
-            # cuBLAS needs a fixed workspace for deterministic results (read when its handle is created).
-            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-            torch.backends.cudnn.benchmark = False
-            torch.backends.cudnn.deterministic = True
+    if FIXED in config.determinism_modes and loaded.device.type == "cuda":
+        # cuBLAS needs a fixed workspace for deterministic results (read when its handle is created, so
+        # it is set for the process; it sizes a workspace and slows nothing). The deterministic-algorithm
+        # switches themselves are on only during steps that hold ``fixed`` sequences
+        # (``engine.determinism.deterministic_algorithms``).
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     bi_error, plan = None, None
     if BATCH_INVARIANT in config.determinism_modes:
         bi_error, plan = _enable_batch_invariance(config, loaded)

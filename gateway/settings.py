@@ -68,9 +68,10 @@ class Settings(BaseSettings):
             under a request rate, for 0.2-0.55 ms more per lone request (the pipe) and ~3 s more start-up. The
             child loads the model; this process keeps a tokenizer.
         determinism_modes: Comma list of the determinism modes the engine serves (``fast``, ``fixed``,
-            ``batch_invariant``; ``KVGATE_DETERMINISM_MODES``). Serving ``fixed`` turns on torch's
-            deterministic algorithms for the process; ``batch_invariant`` builds and self-checks its kernels
-            at start-up. A request (or tenant default) asking for a mode not served gets a 400.
+            ``batch_invariant``; ``KVGATE_DETERMINISM_MODES``). ``fixed`` requests run under torch's
+            deterministic algorithms, switched on only for the steps that hold them; ``batch_invariant``
+            builds and self-checks its kernels at start-up. A request (or tenant default) asking for a
+            mode not served gets a 400.
         stream_stall_timeout_s: A client that takes nothing of its reply for this long (its socket's
             buffers stay full) is dropped, its generation aborted and what it produced settled.
         shutdown_grace_s: On SIGTERM or SIGINT, how long the requests in flight may take to finish; new
