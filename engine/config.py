@@ -60,6 +60,8 @@ class EngineConfig:
             algorithms (on only while a step holds ``fixed`` sequences); ``batch_invariant`` builds the
             C++ attention kernel (once, about 30 s) and checks at start-up that this machine's matmuls
             are row-invariant.
+        cuda_graphs: On CUDA, replay decode-only ``fast`` steps from CUDA graphs captured per batch-size
+            bucket (``engine.cuda_decode``); off runs them eagerly from the same pinned input buffers.
         invariant_backend: Kernels of ``batch_invariant`` mode: ``auto`` (the C++ kernel and tiled BLAS
             matmuls on the CPU, Triton kernels on CUDA), ``cpp`` or ``triton`` (on a CPU only under
             ``TRITON_INTERPRET=1``, for tests).
@@ -91,6 +93,7 @@ class EngineConfig:
     determinism: str = "fast"
     determinism_modes: tuple[str, ...] = MODES
     invariant_backend: str = "auto"
+    cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in _DTYPES:

@@ -51,6 +51,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.kv)
         self.runner = ModelRunner(self.loaded.model, self.loaded.kv_caches, config.block_size,
                                   self.loaded.device)
+        self.runner.enable_cuda_decode(config.max_num_seqs, config.cuda_graphs)
         self.requests: dict[str, RequestState] = {}
         self._accumulators: dict[str, OutputAccumulator] = {}  # ``step``'s whole outputs, per request
         self._seq_ids = itertools.count()

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.determinism import BATCH_INVARIANT, FIXED, deterministic_algorithms
+from engine.cuda_decode import CudaDecoder
+from engine.determinism import BATCH_INVARIANT, FAST, FIXED, deterministic_algorithms
 from engine.request import Sequence, TokenLogprobs
 from engine.sampler import sample
 from kernels import AttentionMetadata, DecodeGroup, InvariantRows, PrefillSpan
@@ -24,6 +25,17 @@ class ModelRunner:
         # The pool's last block is never allocated and stays zero (``engine.setup.load_model``): block
         # tables are padded with it, so padding a kernel reads holds zeros, not another sequence's K/V.
         self.null_block = kv_caches[0][0].shape[0] - 1
+        self.decoder: CudaDecoder | None = None  # decode-only fast steps on CUDA (enable_cuda_decode)
+
+    def enable_cuda_decode(self, max_rows: int, use_graphs: bool) -> None:
+        """On CUDA with Triton, run decode-only ``fast`` steps of up to ``max_rows`` rows through
+        ``engine.cuda_decode`` (one pinned input copy; CUDA graphs unless ``use_graphs`` is False).
+        Elsewhere a no-op: the CPU keeps its path."""
+        from kernels.paged_attention import _has_triton
+
+        if self.device.type == "cuda" and _has_triton():
+            self.decoder = CudaDecoder(self.model, self.kv_caches, self.block_size, self.null_block, max_rows,
+                                       self.model.cos_cache.shape[0], use_graphs)
 
     def _slots(self, block_ids: list[int], start: int, end: int) -> torch.Tensor:
         """Flat cache slots of token positions [start, end) of a sequence."""
@@ -161,11 +173,40 @@ class ModelRunner:
         """Run one step; return the sequences that sampled, their new tokens and logprobs. A step that
         holds ``fixed`` sequences runs under torch's deterministic algorithms, and only such a step."""
         with deterministic_algorithms(any(s.mode == FIXED for s, _ in scheduled)):
-            input_ids, positions, meta, rows, seqs = self.prepare(scheduled)
-            hidden = self.model(input_ids, positions, meta, self.kv_caches)
-            if not rows:
-                return [], [], []
-            logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)],
-                                               meta.linear_plan)
-            tokens, logprobs = sample(logits.cpu(), seqs)
+            if self._is_decoder_step(scheduled):
+                seqs = [s for s, _ in scheduled]
+                logits = self.decoder.logits(seqs)
+            else:
+                input_ids, positions, meta, rows, seqs = self.prepare(scheduled)
+                hidden = self.model(input_ids, positions, meta, self.kv_caches)
+                if not rows:
+                    return [], [], []
+                logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)],
+                                                   meta.linear_plan)
+            tokens, logprobs = self._sample(logits, seqs)
             return seqs, tokens, logprobs
+
+    def _is_decoder_step(self, scheduled: list[tuple[Sequence, int]]) -> bool:
+        """Every row a ``fast`` sequence decoding its next token, and few enough for the decoder."""
+        return (self.decoder is not None and self.decoder.can_run(len(scheduled))
+                and all(n == 1 and s.mode == FAST and s.num_computed_tokens + 1 == s.num_tokens
+                        for s, n in scheduled))
+
+    @staticmethod
+    def _sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """Sample ``fast`` rows where the logits are (on a GPU only token ids and requested logprobs come
+        back); ``fixed`` and ``batch_invariant`` rows on the host, as the CPU computes them, so their
+        draws keep the bits those modes promise."""
+        host = [i for i, s in enumerate(seqs) if s.mode != FAST]
+        if logits.device.type == "cpu" or len(host) == len(seqs):
+            return sample(logits.cpu(), seqs)
+        if not host:
+            return sample(logits, seqs)
+        dev = [i for i, s in enumerate(seqs) if s.mode == FAST]
+        tokens: list[int] = [0] * len(seqs)
+        logprobs: list[TokenLogprobs | None] = [None] * len(seqs)
+        for idx, rows in ((dev, logits[dev]), (host, logits[host].cpu())):
+            got_tokens, got_logprobs = sample(rows, [seqs[i] for i in idx])
+            for j, i in enumerate(idx):
+                tokens[i], logprobs[i] = got_tokens[j], got_logprobs[j]
+        return tokens, logprobs

@@ -93,8 +93,8 @@ def _draw_truncated(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tenso
     over the kept tokens in vocabulary order, so that ties need no ordering and the token is the one the
     whole masked vocabulary would give."""
     vocab = probs.shape[1]
-    tokens = torch.empty(probs.shape[0], dtype=torch.long)
-    pending = torch.arange(probs.shape[0])
+    tokens = torch.empty(probs.shape[0], dtype=torch.long, device=probs.device)
+    pending = torch.arange(probs.shape[0], device=probs.device)
     for count in (*_CANDIDATE_COUNTS, vocab):
         ks = top_k[pending]
         num = min(vocab, max(count, int(torch.where(ks < vocab, ks, 0).max()) + 1))
@@ -114,14 +114,15 @@ def _draw_truncated(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tenso
 def _sample_rows(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     """[S] one token per row, all rows sampling with a temperature > 0."""
     params = [s.params for s in seqs]
-    vocab = logits.shape[1]
-    temperature = torch.tensor([[p.temperature] for p in params], dtype=torch.float32)
-    top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], dtype=torch.long)
-    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float64)
+    vocab, device = logits.shape[1], logits.device
+    temperature = torch.tensor([[p.temperature] for p in params], dtype=torch.float32, device=device)
+    top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], dtype=torch.long,
+                         device=device)
+    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float64, device=device)
     u = torch.tensor([draw_uniform(s.sample_seed, s.sample_index, s.num_tokens) for s in seqs],
-                     dtype=torch.float64)
+                     dtype=torch.float64, device=device)
     probs = _probs(logits.float(), temperature)
-    tokens = torch.empty(len(seqs), dtype=torch.long)
+    tokens = torch.empty(len(seqs), dtype=torch.long, device=device)
     truncated = (top_k < vocab) | (top_p < 1.0)
     full, part = torch.nonzero(~truncated)[:, 0], torch.nonzero(truncated)[:, 0]
     if full.numel():
@@ -139,10 +140,13 @@ def _logprobs(logits: torch.Tensor, seqs: list[Sequence], tokens: list[int]) -> 
     lp = torch.log_softmax(logits[want], dim=-1)
     k = max(seqs[i].params.logprobs for i in want)
     top_vals, top_ids = (torch.topk(lp, k) if k else (lp[:, :0], lp[:, :0].long()))
+    # one copy each to the host (the logits may be on a GPU), not one per row and value
+    chosen_lp = lp.gather(1, torch.tensor([[tokens[i]] for i in want], device=lp.device))[:, 0].tolist()
+    top_vals, top_ids = top_vals.cpu(), top_ids.cpu()
     for row, i in enumerate(want):
         n = seqs[i].params.logprobs
         top = dict(zip(top_ids[row, :n].tolist(), top_vals[row, :n].tolist(), strict=True))
-        out[i] = TokenLogprobs(tokens[i], float(lp[row, tokens[i]]), top)
+        out[i] = TokenLogprobs(tokens[i], chosen_lp[row], top)
     return out
 
 

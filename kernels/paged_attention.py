@@ -79,6 +79,9 @@ class AttentionMetadata:
     invariant: InvariantRows | None = None
     linear_plan: Any = None  # engine.determinism.TilePlan | TritonPlan (batch-invariant steps)
     decode_rows: tuple[torch.Tensor, torch.Tensor] | None = None  # [D, max_blocks], [D] int64; on first use
+    # A block that padding rows of a CUDA-graph decode step write and read (the pool's null block): zeroed
+    # again after each layer's attention, so it reads as zeros to every other kernel.
+    scratch_block: int | None = None
 
 
 _workspace: dict[tuple, torch.Tensor] = {}
@@ -218,6 +221,9 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     out = torch.empty(query.shape, dtype=k_cache.dtype, device=query.device)
     if meta.decode_groups:
         _decode_kernel(query, k_cache)(query, k_cache, v_cache, meta, scale, out)
+        if meta.scratch_block is not None:
+            k_cache[meta.scratch_block].zero_()
+            v_cache[meta.scratch_block].zero_()
     for span in meta.prefills:
         s, n = span.q_start, span.q_len
         q = query[s:s + n].transpose(0, 1).unsqueeze(0).to(k_cache.dtype)  # [1, H, n, Dh]
