@@ -3,6 +3,8 @@ result against the server's pinned key, and its download."""
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
+
 from litestar import Controller, Request, Response, get, post
 from litestar.connection import ASGIConnection
 from litestar.response import File
@@ -59,7 +61,8 @@ class AuditController(Controller):
         except ClientError as e:
             return await _audit_page(request, session, e.status_code, errors=[(e.param or "", e.message)],
                                      form=form)
-        filename = f"kvgate-audit-{spec.tenant or 'all'}-{spec.fmt}.tar"
+        made = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
+        filename = f"kvgate-audit-{spec.tenant or 'all'}-{spec.fmt}-{made}.tar"
         export = await exports_of(request).create(runtime, console.token_id, spec, filename)
         return await _audit_page(request, session, 201, export=export, form=form)
 

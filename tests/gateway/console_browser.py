@@ -13,6 +13,8 @@ import pytest
 
 from .served import Served
 
+Page = Any  # playwright.sync_api.Page, which is imported only where Chromium is there to drive
+
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]

@@ -20,7 +20,7 @@ from gateway.console.guard import CONSOLE_PUBLIC, CONSOLE_SCOPE, requires_consol
 from gateway.schemas.admin import ADMIN_READ, ADMIN_SCOPES
 
 from .conftest import make_settings
-from .console_browser import browser_page, csrf_of, require_chromium, signed_in
+from .console_browser import Page, browser_page, csrf_of, require_chromium, signed_in
 from .served import Served, serve
 
 
@@ -68,91 +68,119 @@ def test_every_console_route_is_guarded_scoped_and_out_of_the_schema(tmp_path: P
     assert len(scoped) >= 18
 
 
+def _sign_in(page: Page, served: Served) -> None:
+    page.goto(f"{served.base}/admin/tenants")
+    assert page.url.endswith("/admin/login")
+    page.fill("#token", "kvga_0000000000000000_" + "x" * 40)
+    page.click("button[type=submit]")
+    assert "not a valid admin token" in page.inner_text("main")
+    page.fill("#token", served.admin_token)
+    page.click("button[type=submit]")
+    assert page.url.endswith("/admin/tenants")
+    assert page.evaluate("document.cookie") == ""  # HttpOnly: no script sees the session
+    assert page.evaluate("window.localStorage.length + window.sessionStorage.length") == 0
+
+
+def _tenant_and_keys(page: Page, served: Served, stack: ExitStack) -> tuple[str, openai.OpenAI]:
+    """Create a tenant and a key, rotate the key (the old one works through the overlap) and revoke the
+    old one, disable and re-enable the tenant: each change seen by the SDK's next request."""
+    page.fill("#name", "browser-co")
+    page.click("text=Create tenant")
+    tenant_id = page.url.rsplit("/", 1)[1]
+    page.fill("#key-name", "sdk")
+    page.click("text=Create key")
+    old_key = page.inner_text("#new-key").strip()
+    assert old_key.startswith("kvg_")
+    page.click("text=Rotate")
+    key = page.inner_text("#new-key").strip()
+    assert key.startswith("kvg_") and key != old_key and "rotated to" in page.inner_text("table")
+    _chat(stack.enter_context(_openai(served, old_key)))  # within the overlap
+    page.locator("tr", has_text=old_key.split("_")[1]).locator("text=Revoke").click()
+    with pytest.raises(openai.AuthenticationError):
+        _chat(stack.enter_context(_openai(served, old_key)))
+    page.reload()  # a GET: the secret is never shown again
+    assert key not in page.content()
+    page.click("#toggle-tenant")
+    client = stack.enter_context(_openai(served, key))
+    with pytest.raises(openai.AuthenticationError):
+        _chat(client)
+    page.click("#toggle-tenant")
+    return tenant_id, client
+
+
+def _usage_moves(page: Page, served: Served, tenant_id: str, client: openai.OpenAI) -> None:
+    _chat(client)
+    page.goto(f"{served.base}/admin/tenants/{tenant_id}/usage")
+    requests_before = int(page.inner_text("#total-requests"))
+    tokens_before, chart_before = int(page.inner_text("#total-tokens")), page.inner_html("figure.chart")
+    assert requests_before >= 1 and tokens_before > 0 and page.locator("rect.bar").count() >= 2
+    _chat(client)
+    page.reload()
+    assert int(page.inner_text("#total-requests")) == requests_before + 1
+    assert int(page.inner_text("#total-tokens")) > tokens_before
+    assert page.inner_html("figure.chart") != chart_before
+    with page.expect_download() as csv_download:
+        page.click("#csv-day")
+    assert "num_requests" in Path(csv_download.value.path()).read_text()
+
+
+def _policy_refuses(page: Page, served: Served, tenant_id: str, client: openai.OpenAI) -> None:
+    page.goto(f"{served.base}/admin/tenants/{tenant_id}/policy")
+    page.fill("#policy", '{"max_output_tokens": 0}')
+    page.click("text=Save as version 2")
+    assert "policy.max_output_tokens" in page.inner_text(".errors")
+    page.fill("#policy", '{"max_output_tokens": 2}')
+    page.fill("#comment", "short answers")
+    page.click("text=Save as version 2")
+    assert page.url.endswith("/policy/history")
+    assert "max_output_tokens" in page.inner_text("#v2")
+    with pytest.raises(openai.BadRequestError) as refused:
+        _chat(client, max_tokens=8)
+    assert refused.value.code == "max_tokens_exceeded"
+
+
+def _audit_export_verifies(page: Page, served: Served, tenant_id: str, tmp_path: Path) -> None:
+    page.goto(f"{served.base}/admin/audit")
+    page.select_option("#tenant", tenant_id)
+    page.fill("#since", datetime.now(UTC).strftime("%Y-%m-%dT00:00:00"))
+    page.click("text=Export and verify")
+    assert page.inner_text("#verdict").startswith("Verified:")
+    with page.expect_download() as download:
+        page.click("#download")
+    bundle = tmp_path / "bundle.tar"
+    download.value.save_as(bundle)
+    result = verify_bundle(bundle, (served.data_dir / "audit_public_key.pem").read_bytes())
+    assert result.ok and result.is_key_pinned and result.tenant == tenant_id and result.num_events >= 10
+
+
 def test_console_in_a_browser(served: Served, tmp_path: Path) -> None:
     require_chromium()
     shots = tmp_path / "screenshots"
     with ExitStack() as stack:
         page = stack.enter_context(browser_page(tmp_path))
+        page.on("dialog", lambda dialog: dialog.accept())  # the confirmations of revoke and disable
+
         def shot(name: str) -> None:
             page.screenshot(path=str(shots / f"{name}.png"), full_page=True)
 
-        page.goto(f"{served.base}/admin/tenants")
-        assert page.url.endswith("/admin/login")
-        shot("01-login")
-        page.fill("#token", "kvga_0000000000000000_" + "x" * 40)
-        page.click("button[type=submit]")
-        assert "not a valid admin token" in page.inner_text("main")
-        page.fill("#token", served.admin_token)
-        page.click("button[type=submit]")
-        assert page.url.endswith("/admin/tenants")
-        assert page.evaluate("document.cookie") == ""  # HttpOnly: no script sees the session
-        assert page.evaluate("window.localStorage.length + window.sessionStorage.length") == 0
-
-        page.fill("#name", "browser-co")
-        page.click("text=Create tenant")
-        tenant_id = page.url.rsplit("/", 1)[1]
-        shot("02-tenant")
-        page.fill("#key-name", "sdk")
-        page.click("text=Create key")
-        key = page.inner_text("#new-key").strip()
-        assert key.startswith("kvg_")
-        shot("03-key-created")
-        page.reload()  # a GET: the secret is never shown again
-        assert key not in page.content()
-
-        client = stack.enter_context(_openai(served, key))
-        _chat(client)
-        page.goto(f"{served.base}/admin/tenants/{tenant_id}/usage")
-        assert page.inner_text("#total-requests") == "1"
-        bars_before = page.locator("rect.bar").count()
-        tokens_before = int(page.inner_text("#total-tokens"))
-        assert bars_before >= 1 and tokens_before > 0
-        _chat(client)
-        page.reload()
-        assert page.inner_text("#total-requests") == "2"
-        assert int(page.inner_text("#total-tokens")) > tokens_before
-        shot("04-usage")
-        with page.expect_download() as csv_download:
-            page.click("#csv-day")
-        assert "num_requests" in Path(csv_download.value.path()).read_text()
-
-        page.goto(f"{served.base}/admin/tenants/{tenant_id}/policy")
-        page.fill("#policy", '{"max_output_tokens": 0}')
-        page.click("text=Save as version 2")
-        assert "policy.max_output_tokens" in page.inner_text(".errors")
-        shot("05-policy-invalid")
-        page.fill("#policy", '{"max_output_tokens": 2}')
-        page.fill("#comment", "short answers")
-        page.click("text=Save as version 2")
-        assert page.url.endswith("/policy/history")
-        assert "max_output_tokens" in page.inner_text("#v2")
-        shot("06-policy-history")
-        with pytest.raises(openai.BadRequestError) as refused:
-            _chat(client, max_tokens=8)
-        assert refused.value.code == "max_tokens_exceeded"
-
+        _sign_in(page, served)
+        tenant_id, client = _tenant_and_keys(page, served, stack)
+        shot("01-tenant")
+        _usage_moves(page, served, tenant_id, client)
+        shot("02-usage")
+        _policy_refuses(page, served, tenant_id, client)
+        shot("03-policy-history")
         page.goto(f"{served.base}/admin/engine")
         assert "/ 64" in page.inner_text("#kv-used")
-        shot("07-engine")
-
-        page.goto(f"{served.base}/admin/audit")
-        page.select_option("#tenant", tenant_id)
-        page.fill("#since", datetime.now(UTC).strftime("%Y-%m-%dT00:00:00"))
-        page.click("text=Export and verify")
-        assert page.inner_text("#verdict").startswith("Verified:")
-        shot("08-audit")
-        with page.expect_download() as download:
-            page.click("#download")
-        bundle = tmp_path / "bundle.tar"
-        download.value.save_as(bundle)
-        result = verify_bundle(bundle, (served.data_dir / "audit_public_key.pem").read_bytes())
-        assert result.ok and result.is_key_pinned and result.tenant == tenant_id and result.num_events >= 5
-
+        shot("04-engine")
+        _audit_export_verifies(page, served, tenant_id, tmp_path)
+        shot("05-audit")
         page.click("text=Sign out")
         assert page.url.endswith("/admin/login")
         page.goto(f"{served.base}/admin/tenants")
         assert page.url.endswith("/admin/login")
-    assert len(list(shots.glob("*.png"))) == 8
+        shot("06-signed-out")
+    assert len(list(shots.glob("*.png"))) == 6
 
 
 def test_changes_need_the_session_cookie_and_its_csrf_token(served: Served) -> None:
