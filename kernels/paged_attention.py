@@ -165,16 +165,20 @@ def _decode_fused(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 
 def _decode_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                    scale: float, out: torch.Tensor) -> None:
-    """All decode rows in one launch of the Triton rows kernel (one program per row and KV head), K/V read
-    in place through the block table: the torch path's per-group, per-head bmm pairs are each a launch
-    and leave a GPU idle behind the host."""
-    from kernels.triton_bi import paged_attention_rows_triton
+    """All decode rows through the split-KV Triton kernel (``kernels.triton_decode``: each row's context
+    cut into spans read by separate programs, then merged), K/V read in place through the block table.
+    The split count follows the row count only, so a CUDA graph of a batch size keeps its grid."""
+    from kernels.triton_decode import pick_num_splits, split_decode_attention
 
     tables, lens = decode_rows(meta, k_cache.shape[1])
     n = meta.num_decode_tokens
-    rows = torch.arange(n, device=query.device)
-    out[:n] = paged_attention_rows_triton(query[:n].to(k_cache.dtype), k_cache, v_cache, tables, rows, lens,
-                                          scale)
+    splits = pick_num_splits(n, k_cache.shape[2], _num_sms(query.device))
+    out[:n] = split_decode_attention(query[:n], k_cache, v_cache, tables, lens, scale, splits)
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _decode_kernel(query: torch.Tensor, k_cache: torch.Tensor):
