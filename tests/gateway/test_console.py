@@ -5,6 +5,7 @@ and over plain HTTP for what must not work (no cookie, a wrong CSRF token, a rea
 from __future__ import annotations
 
 import re
+import sqlite3
 from collections.abc import Iterator
 from contextlib import ExitStack
 from datetime import UTC, datetime
@@ -226,8 +227,17 @@ def test_a_read_only_token_sees_but_cannot_change_and_revoking_it_ends_the_sessi
     assert r.status_code == 303 and r.headers["location"] == "/admin/login"
 
 
+def _audit_rows(served: Served, *names: str) -> list[tuple[str, str | None, str | None, str]]:
+    with sqlite3.connect(served.data_dir / "kvgate.db") as db:
+        marks = ",".join("?" * len(names))
+        return db.execute(f"SELECT name, actor, key_id, data FROM audit_events WHERE name IN ({marks}) "
+                          "ORDER BY seq", names).fetchall()
+
+
 def test_sign_out_ends_the_session_even_for_a_kept_cookie(served: Served) -> None:
+    token_id = served.admin_token.split("_")[1]
     client, csrf = signed_in(served, served.admin_token)
+    assert client.post("/admin/tenants", data={"name": "audited", "csrf_token": csrf}).status_code == 303
     kept = dict(client.cookies)
     assert client.post("/admin/logout", data={"csrf_token": csrf}).status_code == 303
     client.close()
@@ -238,3 +248,8 @@ def test_sign_out_ends_the_session_even_for_a_kept_cookie(served: Served) -> Non
         form = replay.get("/admin/login")
         r = replay.post("/admin/login", data={"token": tenant_key, "csrf_token": csrf_of(form.text)})
     assert r.status_code == 401 and "__Host-kvgate_console=" not in r.headers.get("set-cookie", "")
+    # Audited as the API's changes are: the change names the token that signed in as its actor.
+    rows = _audit_rows(served, "auth.success", "admin.tenant_created", "admin.console_signed_out")
+    assert any(n == "auth.success" and k == token_id and '"/admin/login"' in d for n, _, k, d in rows)
+    assert ("admin.tenant_created", token_id) in {(n, a) for n, a, _, _ in rows}
+    assert ("admin.console_signed_out", token_id) in {(n, a) for n, a, _, _ in rows}
