@@ -1,5 +1,6 @@
 """Decode attention's achieved bandwidth on one layer: kvgate's paged paths against SDPA over a cache that
-is already contiguous (the bytes every method must read at least once: each row's K and V)."""
+is already contiguous (the bytes every method must read at least once: each row's K and V), and a few
+tile and warp settings of the split-KV kernel at the large sizes."""
 
 from __future__ import annotations
 
@@ -83,7 +84,8 @@ def measure_case(batch: int, ctx: int, heads: tuple[int, int, int], dtype: torch
     seq = torch.arange(batch, device=device)
     lens = torch.full((batch,), ctx, dtype=torch.long, device=device)
     methods = {
-        "kvgate_torch": lambda: paged_attention(q, k_cache, v_cache, meta, scale),
+        # the engine's decode path on this device (on CUDA the split-KV kernel), from the step's groups
+        "kvgate": lambda: paged_attention(q, k_cache, v_cache, meta, scale),
         "triton_rows": lambda: paged_attention_rows_triton(q, k_cache, v_cache, tables, seq, lens, scale),
         "sdpa_contiguous": lambda: torch.nn.functional.scaled_dot_product_attention(
             qs, k, v, scale=scale, enable_gqa=heads[0] != heads[1]),
@@ -91,6 +93,8 @@ def measure_case(batch: int, ctx: int, heads: tuple[int, int, int], dtype: torch
     ref = methods["sdpa_contiguous"]()[:, :, 0].float()
     nbytes = 2 * batch * ctx * heads[1] * heads[2] * dtype.itemsize
     row = {"batch": batch, "ctx": ctx, "kv_mib": nbytes / 2**20}
+    if device.type == "cuda" and batch >= 32 and ctx >= 4096:
+        methods.update(_split_variants(q, k_cache, v_cache, tables, lens, scale))
     for name, fn in methods.items():
         try:
             out = fn().view(batch, heads[0], -1).float() if name != "sdpa_contiguous" else ref
@@ -101,6 +105,22 @@ def measure_case(batch: int, ctx: int, heads: tuple[int, int, int], dtype: torch
         row[f"{name}_gbs"] = nbytes / ms / 1e6
         row[f"{name}_rel_err"] = float((out - ref).norm() / ref.norm())
     return row
+
+
+def _split_variants(q, k_cache, v_cache, tables, lens, scale) -> dict:
+    """The split-KV kernel at other tiles, warps and split counts than the engine's."""
+    from kernels.paged_attention import _num_sms
+    from kernels.triton_decode import pick_num_splits, split_decode_attention
+
+    picked = pick_num_splits(q.shape[0], k_cache.shape[2], _num_sms(q.device))
+
+    def variant(tile: int, warps: int, splits: int):
+        return lambda: split_decode_attention(q, k_cache, v_cache, tables, lens, scale, splits, tile=tile,
+                                              num_warps=warps)
+
+    settings = ((32, 4, picked), (128, 4, picked), (64, 8, picked), (128, 8, picked), (64, 4, 2 * picked),
+                (64, 4, max(1, picked // 2)))
+    return {f"split_t{t}_w{w}_s{s}": variant(t, w, s) for t, w, s in settings}
 
 
 def run_attention_bench(device: torch.device, heads: tuple[int, int, int], sizes: list[tuple[int, int]],

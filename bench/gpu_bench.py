@@ -35,12 +35,14 @@ from bench.gpu_report import format_table
 from bench.workload import BenchRequest, percentile, standard_workload
 
 
-def run_kvgate_throughput(model_dir: Path, reqs: list[BenchRequest], args) -> dict:
-    """The workload submitted at once to the engine (bfloat16), greedy, exactly max_new_tokens each."""
+def run_kvgate_throughput(model_dir: Path, reqs: list[BenchRequest], args, cuda_graphs: bool = True) -> dict:
+    """The workload submitted at once to the engine (bfloat16), greedy, exactly max_new_tokens each;
+    decode steps from CUDA graphs unless ``cuda_graphs`` is False."""
     from engine import SamplingParams
 
     engine = kvgate_engine(model_dir, args.device, args.dtype, max_num_seqs=64,
-                     max_num_batched_tokens=args.max_batched_tokens, enable_prefix_caching=False)
+                           max_num_batched_tokens=args.max_batched_tokens, enable_prefix_caching=False,
+                           cuda_graphs=cuda_graphs)
     engine.generate([reqs[0].prompt_ids], SamplingParams(temperature=0, max_tokens=4))  # warm-up
     free_memory(args.device)
     t0 = time.monotonic()
@@ -52,9 +54,13 @@ def run_kvgate_throughput(model_dir: Path, reqs: list[BenchRequest], args) -> di
         ttfts += [o.metrics.time_to_first_token for o in engine.step() if o.finished]
     wall = time.monotonic() - t0
     gen = sum(r.max_new_tokens for r in reqs)
-    row = {"peer": f"kvgate ({args.dtype})", "requests": len(reqs), "generated_tokens": gen, "wall_s": wall,
-           "tokens_per_s": gen / wall, "ttft_p50_s": percentile(ttfts, 50), "steps": engine.stats().num_steps,
-           "max_num_batched_tokens": args.max_batched_tokens, "peak_gpu_mib": peak_gpu_mib(args.device)}
+    decoder = engine.runner.decoder
+    row = {"peer": f"kvgate ({args.dtype}{'' if cuda_graphs else ', no CUDA graphs'})", "requests": len(reqs),
+           "generated_tokens": gen, "wall_s": wall, "tokens_per_s": gen / wall,
+           "ttft_p50_s": percentile(ttfts, 50), "steps": engine.stats().num_steps,
+           "max_num_batched_tokens": args.max_batched_tokens, "peak_gpu_mib": peak_gpu_mib(args.device),
+           "graph_buckets": sorted(decoder.graphs) if decoder else None,
+           "graphs_off": decoder.graphs_off if decoder else "no CUDA decoder"}
     del engine
     free_memory(args.device)
     return row
@@ -147,9 +153,12 @@ def run(args) -> dict:
     if "throughput" in args.sections:
         _section(report, "throughput_kvgate", out, run_kvgate_throughput, model_dir, reqs, args)
         _section(report, "throughput_hf", out, run_hf_throughput, model_dir, reqs, args)
+        if args.device == "cuda":
+            _section(report, "throughput_kvgate_eager", out, run_kvgate_throughput, model_dir, reqs, args,
+                     False)
     if "attention" in args.sections:
-        contexts = (512, 2048, 8192) if args.device == "cuda" else (64, 200)
-        sizes = [(b, c) for b in (16, 64) for c in contexts]
+        contexts = (512, 2048, 4096, 8192) if args.device == "cuda" else (64, 200)
+        sizes = [(b, c) for b in (16, 32, 64) for c in contexts]
         _section(report, "attention", out, run_attention_bench, torch.device(args.device),
                  (mc.num_heads, mc.num_kv_heads, mc.head_dim), sizes)
     if corr is not None and "default_modes" in args.sections:

@@ -11,10 +11,10 @@ def _err(section) -> str | None:
 
 def _throughput_rows(report: dict) -> list[str]:
     rows = ["| architecture | peer | tok/s | wall (s) | peak GPU MiB |", "|---|---|---:|---:|---:|"]
-    pairs = [(report.get("architecture"), report.get("throughput_kvgate")),
-             (report.get("architecture"), report.get("throughput_hf"))]
+    main = ("throughput_kvgate", "throughput_hf", "throughput_kvgate_eager")
+    pairs = [(report.get("architecture"), report.get(key)) for key in main if key in report]
     for key, section in report.items():
-        if key.startswith("throughput_") and key not in ("throughput_kvgate", "throughput_hf"):
+        if key.startswith("throughput_") and key not in main:
             arch = key.removeprefix("throughput_")
             pairs += ([(arch, section.get("kvgate")), (arch, section.get("hf"))] if not _err(section)
                       else [(arch, section)])
@@ -32,14 +32,16 @@ def _attention_rows(section: dict | None) -> list[str]:
         return [f"attention: {_err(section)}"]
     rows = [f"decode attention, one layer, heads {section['heads']}, {section['dtype']}; device copy "
             f"{section['copy_gbs']:.0f} GB/s (read + write)",
-            "| batch | ctx | KV MiB | kvgate torch GB/s | Triton rows GB/s | SDPA contiguous GB/s |",
-            "|---:|---:|---:|---:|---:|---:|"]
+            "| batch | ctx | KV MiB | kvgate decode GB/s | Triton rows GB/s | SDPA contiguous GB/s | "
+            "kvgate / copy |",
+            "|---:|---:|---:|---:|---:|---:|---:|"]
     for r in section["rows"]:
         if "error" in r:
             rows.append(f"| {r['batch']} | {r['ctx']} | {r['error']} ||||")
             continue
         cells = [f"{r[m + '_gbs']:.0f}" if m + "_gbs" in r else "error"
-                 for m in ("kvgate_torch", "triton_rows", "sdpa_contiguous")]
+                 for m in ("kvgate", "triton_rows", "sdpa_contiguous")]
+        cells.append(f"{r['kvgate_gbs'] / section['copy_gbs']:.0%}" if "kvgate_gbs" in r else "")
         rows.append(f"| {r['batch']} | {r['ctx']} | {r['kv_mib']:.1f} | " + " | ".join(cells) + " |")
     return rows
 

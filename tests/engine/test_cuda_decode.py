@@ -5,6 +5,7 @@ decode kernel standing in for the Triton one (both read each row's blocks in pla
 from __future__ import annotations
 
 import pytest
+import torch
 
 from engine import SamplingParams
 from engine.cuda_decode import CudaDecoder, buckets
@@ -75,3 +76,23 @@ def test_steps_with_other_modes_take_the_usual_path(tiny_engine_factory):
     assert not seen
     llm.generate([_PROMPTS[1]], _greedy())
     assert seen
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_cuda_graph_steps_match_the_usual_path_on_a_gpu(tiny_engine_factory):
+    config = {"device": "cuda", "dtype": "float32", "determinism_modes": ("fast",), "num_kv_blocks": 64}
+    ref = tiny_engine_factory(**config)
+    ref.runner.decoder = None  # the usual path: prepare, the forward pass, sampling on the GPU
+    expected = ref.generate(_PROMPTS, _greedy())
+    llm = tiny_engine_factory(**config)
+    got = llm.generate(_PROMPTS, _greedy())
+    assert llm.runner.decoder.graphs_off is None
+    assert 4 in llm.runner.decoder.graphs
+    for a, b in zip(got, expected, strict=True):
+        assert a.token_ids == b.token_ids
+        assert [x.logprob for x in a.logprobs] == pytest.approx([y.logprob for y in b.logprobs], abs=1e-3)
+    null = llm.runner.null_block
+    assert all(not k[null].any() and not v[null].any() for k, v in llm.runner.kv_caches)
+    # a seeded sampled request draws the same tokens from the graphs as from the usual path
+    seeded = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=6, ignore_eos=True, seed=7)
+    assert llm.generate(_PROMPTS, seeded)[1].token_ids == ref.generate(_PROMPTS, seeded)[1].token_ids
