@@ -154,6 +154,6 @@ def split_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         IEEE=k_cache.dtype == torch.float32 or _INTERPRETED, num_warps=num_warps)
     _merge_kernel[(rows, num_heads)](
         part, lse, out, part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
-        out.stride(0), out.stride(1), NUM_SPLITS=num_splits, S_P2=triton.next_power_of_2(num_splits),
-        D=head_dim, D_P2=d_p2)
+        out.stride(0), out.stride(1), NUM_SPLITS=num_splits,
+        S_P2=max(2, triton.next_power_of_2(num_splits)), D=head_dim, D_P2=d_p2)
     return out
