@@ -11,20 +11,23 @@ from collections.abc import Sequence as Seq
 
 from engine.config import EngineConfig
 from engine.determinism import BATCH_INVARIANT
-from engine.errors import InvalidRequestError, PromptTooLongError, RequestFailedError, StepError
+from engine.errors import InvalidRequestError, RequestFailedError, StepError
 from engine.fair import TenantShare
+from engine.grammar import GrammarCompiler
+from engine.grammar_queue import GrammarQueue
 from engine.hashing import BlockHasher
 from engine.kv_cache_manager import KVCacheManager
 from engine.model_runner import ModelRunner
 from engine.outputs import RequestState
 from engine.request import RequestDelta, RequestOutput, RequestStatus, SamplingParams, Sequence
+from engine.request_checks import RESERVED_NS, check_add_args, fitted_length, tokenize_prompt
 from engine.scheduler import Scheduler
 from engine.setup import LoadedModel, load_model, setup_determinism
 from engine.stats import EngineStats, StatsTracker
 from engine.stream_output import OutputAccumulator
 
 logger = logging.getLogger("kvgate.engine")
-_RESERVED_NS = b"\xffkvgate:"  # namespaces the engine derives itself (callers may not start with it)
+_GRAMMAR_WAIT_S = 0.02  # with nothing to run, how long a step waits for a grammar to compile
 
 
 class LLMEngine:
@@ -59,21 +62,11 @@ class LLMEngine:
         self.stats_tracker = StatsTracker()
         self.determinism = setup_determinism(config, self.loaded)
         self.runner.tile_plan = self.determinism.tile_plan
+        mc = self.loaded.model_config
+        self.grammars = GrammarQueue(GrammarCompiler(self.tokenizer, vocab_size=mc.vocab_size,
+                                                     eos_token_ids=self.loaded.eos_token_ids))
 
     # ---- requests -------------------------------------------------------------------------------
-    def _tokenize(self, prompt: str | Seq[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidRequestError("prompt must not be empty")
-            return self.tokenizer.encode(prompt, add_special_tokens=False) or []
-        if not isinstance(prompt, (list, tuple)) or not all(
-                isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            raise InvalidRequestError("prompt must be a string or a list of token ids")
-        vocab = self.loaded.model_config.vocab_size
-        if any(t < 0 or t >= vocab for t in prompt):
-            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
-        return list(prompt)
-
     def add_request(self, prompt: str | Seq[int], params: SamplingParams | None = None,
                     request_id: str | None = None, *, cache_namespace: bytes = b"", priority: int = 0,
                     arrival_time: float | None = None, share: TenantShare | None = None) -> str:
@@ -97,45 +90,45 @@ class LLMEngine:
             PromptTooLongError: The prompt exceeds the context, or prompt + max_tokens the whole KV pool.
         """
         params = params or SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise InvalidRequestError("params must be a SamplingParams")
-        if share is not None and not isinstance(share, TenantShare):
-            raise InvalidRequestError("share must be a TenantShare")
-        if not isinstance(cache_namespace, bytes):
-            raise InvalidRequestError("cache_namespace must be bytes")
-        if cache_namespace.startswith(_RESERVED_NS):
-            raise InvalidRequestError("cache_namespace must not start with the reserved prefix")
+        vocab = self.loaded.model_config.vocab_size
+        check_add_args(params, share, cache_namespace, vocab)
         try:
             mode = self.determinism.resolve(params.determinism, self.config.determinism)
         except ValueError as e:
             raise InvalidRequestError(str(e)) from None
         if mode == BATCH_INVARIANT:  # its K/V come from another kernel: never share blocks with other modes
-            cache_namespace = _RESERVED_NS + b"bi:" + cache_namespace
+            cache_namespace = RESERVED_NS + b"bi:" + cache_namespace
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        prompt_ids = self._tokenize(prompt)
-        if not prompt_ids:
-            raise InvalidRequestError("prompt must not be empty")
-        if len(prompt_ids) >= self.max_model_len:
-            raise PromptTooLongError(f"prompt has {len(prompt_ids)} tokens; the model's context is "
-                                     f"{self.max_model_len} (at least one token must be generated)")
-        max_len = min(len(prompt_ids) + params.max_tokens, self.max_model_len)
-        if self.kv.blocks_needed(max_len) > self.kv.pool.num_blocks:
-            raise PromptTooLongError(
-                f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({params.max_tokens}) needs "
-                f"{self.kv.blocks_needed(max_len)} KV blocks; the whole pool has {self.kv.pool.num_blocks}")
+        prompt_ids = tokenize_prompt(self.tokenizer, prompt, vocab)
+        max_len = fitted_length(prompt_ids, params.max_tokens, self.max_model_len, self.kv)
         now = arrival_time if arrival_time is not None else time.monotonic()
         base_seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         seqs = [Sequence(next(self._seq_ids), request_id, i, prompt_ids, params, arrival_time=now,
                          priority=priority, cache_namespace=cache_namespace, sample_seed=base_seed,
                          max_len=max_len, mode=mode) for i in range(params.n)]
         fingerprint = self.determinism.fingerprints[mode]
+        # a request whose grammar is not compiled yet waits outside the scheduler (``_admit_compiled``)
+        is_ready = params.structured is None or self.grammars.add(request_id, seqs, params.structured, share)
         self.requests[request_id] = RequestState(request_id, prompt_ids, params, seqs, self.tokenizer,
                                                  self.loaded.eos_token_ids, fingerprint, self.num_steps)
+        if is_ready:
+            self._schedule(seqs, share)
+        return request_id
+
+    def _schedule(self, seqs: list[Sequence], share: TenantShare | None) -> None:
         for i, seq in enumerate(seqs):
             self.scheduler.add(seq, leader=seqs[0] if i else None, share=share)
-        return request_id
+
+    def _admit_compiled(self, failed: dict[str, BaseException]) -> None:
+        """Schedule the requests whose grammar compiled since the last step (they arrive now, as far as
+        a replay is concerned); the ones whose compile failed or timed out go into ``failed``."""
+        ready, errors = self.grammars.poll()
+        for seqs, share in ready:
+            self.requests[seqs[0].request_id].arrival_step = self.num_steps
+            self._schedule(seqs, share)
+        failed.update(errors)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Abort a request, freeing its blocks at once. Unknown or finished ids are ignored."""
@@ -154,8 +147,11 @@ class LLMEngine:
         """Forget a request, ending its unfinished sequences (their blocks are freed at once)."""
         state = self.requests.pop(request_id, None)
         if state is not None:
+            self.grammars.drop(request_id)
             for seq in state.seqs:
-                if not seq.is_finished:
+                if seq.tenant is None:  # never scheduled: it was waiting for its grammar
+                    seq.status = RequestStatus.FINISHED_ABORTED
+                elif not seq.is_finished:
                     self.scheduler.finish(seq, RequestStatus.FINISHED_ABORTED)
         return state
 
@@ -202,12 +198,16 @@ class LLMEngine:
             StepError: The step raised for some requests and ended those only (a forward pass that raises
                 runs again one request at a time); the others' deltas ride on the error.
         """
+        failed: dict[str, BaseException] = {}
+        self._admit_compiled(failed)
         sched = self.scheduler.schedule()
         if sched.is_empty:
+            if failed:
+                raise StepError([], self._fail(failed), is_total=False)
+            self.grammars.wait(_GRAMMAR_WAIT_S)
             return []
         self._zero_freed_blocks()  # freed while scheduling (preemption, eviction): before anyone writes
         t0 = time.perf_counter()
-        failed: dict[str, BaseException] = {}
         seqs, tokens, logprobs = self.runner.execute_isolating(sched.scheduled, failed)
         now = time.monotonic()
         self._advance(sched.scheduled, failed)
@@ -226,9 +226,9 @@ class LLMEngine:
         errors = self._fail(failed)
         self._zero_freed_blocks()  # freed by finished requests: now, not when the next request comes
         self.stats_tracker.record_step(sched.num_tokens, len(tokens), time.perf_counter() - t0)
-        if errors:
-            num_requests = len({seq.request_id for seq, _ in sched.scheduled})
-            raise StepError(deltas, errors, is_total=len(errors) == num_requests)
+        if errors:  # total: every request the step ran failed (a grammar's compile error is no fault of it)
+            ran = {seq.request_id for seq, _ in sched.scheduled}
+            raise StepError(deltas, errors, is_total=ran <= errors.keys())
         return deltas
 
     def _advance(self, scheduled: list[tuple[Sequence, int]], failed: dict[str, BaseException]) -> None:

@@ -63,6 +63,8 @@ class RequestState:
         # Before min_tokens nothing but the length ends a sequence (vLLM's rule: the min_tokens-th can).
         is_min_met = seq.num_output_tokens >= self.params.min_tokens
         stop_token = is_min_met and (token in self.params.stop_token_ids or token in self.eos)
+        if seq.matcher is not None and self._advance_grammar(seq, token):
+            stop_token = True  # the grammar is complete: nothing may follow, whatever min_tokens says
         sample.text += sample.detok.add(token, final=stop_token or seq.num_tokens >= seq.max_len)
         if not is_min_met:
             sample.stop_floor = len(sample.text)
@@ -74,6 +76,16 @@ class RequestState:
         if seq.num_tokens >= seq.max_len:
             return RequestStatus.FINISHED_LENGTH
         return None
+
+    @staticmethod
+    def _advance_grammar(seq: Sequence, token: int) -> bool:
+        """Feed the grammar its sampled token; whether the grammar has ended (it allows nothing more).
+
+        The mask allowed only tokens the matcher accepts, so a refusal is a broken invariant."""
+        if not seq.matcher.consume_token(token):
+            raise RuntimeError(f"the grammar refused its own sampled token {token}: "
+                               f"{seq.matcher.get_error()}")
+        return seq.matcher.is_stopped()
 
     def _check_stop_strings(self, seq: Sequence, sample: _SampleText) -> bool:
         # Only the tail can hold a new match: the last delta plus len(stop) - 1 characters before it.

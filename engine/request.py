@@ -170,7 +170,7 @@ class Sequence:
                  "arrival_time", "first_scheduled_time", "first_token_time", "last_token_time",
                  "finish_time", "logprobs", "cache_namespace", "sample_seed", "max_len",
                  "num_preemptions", "stop_reason", "token_times", "num_prefill_computed", "mode",
-                 "tenant")
+                 "tenant", "matcher", "penalty")
 
     def __init__(self, seq_id: int, request_id: str, sample_index: int, prompt_token_ids: list[int],
                  params: SamplingParams, *, arrival_time: float, priority: int = 0,
@@ -202,6 +202,9 @@ class Sequence:
         self.stop_reason: str | int | None = None
         self.mode = mode                    # determinism mode, resolved against the engine default
         self.tenant = None                  # the scheduler's fair-share account (engine.fair.Tenant)
+        # structured outputs: the grammar's matcher, advanced by each appended token (engine.grammar)
+        self.matcher = None
+        self.penalty = None                 # token counts for the penalties (engine.logits.PenaltyState)
 
     @property
     def num_tokens(self) -> int:

@@ -6,6 +6,7 @@ import hashlib
 
 import torch
 
+from engine.logits import process_logits
 from engine.request import Sequence, TokenLogprobs
 
 # Candidate counts for finding a row's top-k/top-p cut, tried in turn: the rows whose cut the K most
@@ -145,13 +146,16 @@ def _logprobs(logits: torch.Tensor, seqs: list[Sequence], tokens: list[int]) -> 
     top_vals, top_ids = top_vals.cpu(), top_ids.cpu()
     for row, i in enumerate(want):
         n = seqs[i].params.logprobs
-        top = dict(zip(top_ids[row, :n].tolist(), top_vals[row, :n].tolist(), strict=True))
+        # a grammar's masked tokens (-inf) are no alternatives: a row may offer fewer than asked
+        top = {t: v for t, v in zip(top_ids[row, :n].tolist(), top_vals[row, :n].tolist(), strict=True)
+               if v != float("-inf")}
         out[i] = TokenLogprobs(tokens[i], chosen_lp[row], top)
     return out
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[TokenLogprobs | None]]:
-    """Pick one token per row: greedy rows by argmax, the rest all at once by one counter-based uniform
+    """Pick one token per row, after ``engine.logits.process_logits`` (logit_bias, penalties, grammar
+    masks; in place): greedy rows by argmax, the rest all at once by one counter-based uniform
     per row (``draw_uniform`` of the row's seed, sample index and position) through the inverse CDF of
     its temperature-scaled, top-k/top-p-truncated distribution. A row's token depends only on its own
     logits, parameters and counter, never on the other rows.
@@ -163,6 +167,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[
     Returns:
         The chosen token ids and, for sequences that asked, their logprobs.
     """
+    process_logits(logits, seqs)
     tokens = [0] * len(seqs)
     for greedy in (False, True):
         idx = [i for i, s in enumerate(seqs) if s.params.is_greedy == greedy]

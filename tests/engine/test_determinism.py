@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import random
+from dataclasses import replace
 
 import pytest
 import torch
 
-from engine import EngineConfig, InvalidRequestError, LLMEngine, SamplingParams
+from engine import EngineConfig, InvalidRequestError, LLMEngine, SamplingParams, StructuredOutput
 from engine.replay import StreamItem, run_stream
 from tests.engine.determinism_harness import Observation, load_items, random_prompt, run_alone, run_with_load
 
@@ -181,3 +183,39 @@ def test_triton_backend_on_cpu_needs_the_interpreter(tiny_engine_factory, monkey
     assert "TRITON_INTERPRET" in engine.determinism.bi_error
     with pytest.raises(InvalidRequestError, match="TRITON_INTERPRET"):
         engine.add_request([1, 2, 3], _greedy("batch_invariant"))
+
+
+def _constrained(params: SamplingParams, rng: random.Random) -> SamplingParams:
+    """``params`` with penalties, a logit bias and a JSON schema of its own (every neighbour a different
+    grammar, so a step masks rows with different grammars side by side)."""
+    schema = {"type": "object", "properties": {"k": {"type": "integer", "minimum": 0,
+                                                     "maximum": rng.randrange(10, 10_000)},
+                                               "v": {"enum": ["x", "yy", str(rng.random())]}},
+              "required": ["k", "v"], "additionalProperties": False}
+    return replace(params, presence_penalty=rng.uniform(-1, 1), frequency_penalty=rng.uniform(-1, 1),
+                   repetition_penalty=rng.uniform(0.8, 1.5), logit_bias={rng.randrange(200, 40_000): 5.0},
+                   structured=StructuredOutput(json_schema=json.dumps(schema)))
+
+
+def test_batch_invariant_bits_with_grammars_and_penalties_survive_any_batch(tiny_engine_factory):
+    rng = random.Random(21)
+    target = _constrained(SamplingParams(temperature=0.8, seed=5, max_tokens=8, logprobs=3, ignore_eos=True,
+                                         determinism="batch_invariant"), rng)
+
+    def make(**layout):  # half the neighbours constrained too
+        engine = tiny_engine_factory(**layout)
+        add = engine.add_request
+
+        def add_request(prompt, params=None, request_id=None, **kw):
+            if request_id != "target" and rng.random() < 0.5:
+                params = _constrained(params, rng)
+            return add(prompt, params, request_id, **kw)
+
+        engine.add_request = add_request
+        return engine
+
+    prompt = random_prompt(random.Random(7), 90)
+    ref, seen = _invariance_trials(make, prompt, target, 1, max_requests=4, max_tokens=8)
+    seen.append(_forced_preemption(make, prompt, target))
+    assert all(obs == ref for obs in seen)
+    assert ref.token_hash is not None and ref.token_ids

@@ -93,3 +93,41 @@ def test_the_loops_work_per_output_stays_flat_as_a_request_grows(tiny_llama_dir)
 
     early, late = cpu_per_token(50, 300), cpu_per_token(550, 800)
     assert late < 2 * early + 50e-6, (early, late)
+
+
+def test_structured_outputs_and_penalties_cross_the_pipe_on_uvloop(tiny_llama_dir):
+    # SamplingParams with a grammar, penalties and logit_bias pickle into the engine process, which
+    # compiles the grammar off its step loop; a spec that cannot compile comes back as its own error.
+    import json
+
+    from engine import StructuredOutput, StructuredOutputError
+
+    config = EngineConfig(model=str(tiny_llama_dir), num_kv_blocks=128, max_model_len=512)
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99},
+                                               "ok": {"type": "boolean"}},
+              "required": ["n", "ok"], "additionalProperties": False}
+    good = SamplingParams(temperature=1.0, seed=4, max_tokens=64, n=2, presence_penalty=0.5,
+                          frequency_penalty=0.3, repetition_penalty=1.1, logit_bias={90: -100.0},
+                          structured=StructuredOutput(json_schema=json.dumps(schema), cache_key="t1"))
+    bad = SamplingParams(structured=StructuredOutput(regex="(unclosed", cache_key="t1"))
+
+    async def main():
+        engine = ProcessLLMEngine(config)
+        engine.start()
+        try:
+            outs = await asyncio.gather(*(_collect(engine, "JSON please", good) for _ in range(3)))
+            with pytest.raises(StructuredOutputError, match="cannot be compiled"):
+                await _collect(engine, "JSON please", bad)
+            with pytest.raises(StructuredOutputError, match="cannot be compiled"):  # now from the cache
+                await _collect(engine, "JSON please", bad)
+            follow = await _collect(engine, "still there?", SamplingParams(temperature=0, max_tokens=4))
+            return outs, follow
+        finally:
+            engine.shutdown()
+
+    outs, follow = _on_uvloop(main)
+    for out in outs:
+        for sample in out.outputs:
+            value = json.loads(sample.text)
+            assert sample.finish_reason == "stop" and set(value) == {"n", "ok"} and 0 <= value["n"] <= 99
+    assert follow.finished

@@ -1,0 +1,200 @@
+"""Structured outputs on llguidance: specs compiled off the step path into cached matchers, and the
+batched token masks that keep each constrained row of a step inside its grammar."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import threading
+import weakref
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+
+import llguidance
+import llguidance.hf
+import llguidance.torch
+import numpy as np
+import torch
+
+from engine.errors import EngineUnavailableError, StructuredOutputError
+from engine.structured import StructuredOutput
+
+COMPILE_TIMEOUT_S = 10.0  # a request whose grammar is not ready by then fails
+CACHE_SIZE = 256          # compiled grammars (and compile errors) kept, least recently used dropped first
+MAX_PENDING = 64          # compiles queued or running at once; more is refused until some finish
+# llguidance's own bounds on the work a grammar may cost: building its lexer, and each token's mask.
+_LIMITS = dict(initial_lexer_fuel=2_000_000, step_lexer_fuel=400_000, max_grammar_size=500_000,
+               verbose_errors=False)
+# JSON as ``json.dumps`` writes it: no free whitespace, which a model can otherwise spin in until max_tokens.
+_JSON_OPTIONS = dict(whitespace_flexible=False, item_separator=", ", key_separator=": ")
+
+
+def grammar_text(structured: StructuredOutput) -> str:
+    """The llguidance grammar of a spec (not yet checked: ``LLMatcher`` checks it)."""
+    kind = structured.kind
+    if kind == "json_object":
+        return llguidance.LLMatcher.grammar_from_json_schema('{"type": "object"}', overrides=_JSON_OPTIONS)
+    if kind == "json_schema":
+        return llguidance.LLMatcher.grammar_from_json_schema(structured.json_schema, overrides=_JSON_OPTIONS)
+    if kind == "regex":
+        return llguidance.LLMatcher.grammar_from_regex(structured.regex)
+    if kind == "choice":
+        return llguidance.grammar_from("choice", list(structured.choice))
+    return llguidance.grammar_from("grammar", structured.grammar)
+
+
+class GrammarCompiler:
+    """Compiles structured-output specs for one tokenizer in a worker thread, cached per
+    (cache_key, kind, spec): both compiled grammars and compile errors, so a spec is compiled once.
+
+    Build one per tokenizer and keep it (building the token trie takes ~0.4 s, done in the worker).
+
+    Args:
+        tokenizer: A fast Hugging Face tokenizer.
+        vocab_size: The model's vocabulary (masks cover it; ids the tokenizer lacks are never allowed).
+        eos_token_ids: Tokens that end a sequence once its grammar allows it to end.
+        timeout_s: How long ``check`` waits for a compile.
+    """
+
+    def __init__(self, tokenizer, *, vocab_size: int | None = None, eos_token_ids: tuple[int, ...] = (),
+                 timeout_s: float = COMPILE_TIMEOUT_S) -> None:
+        self._source = tokenizer
+        self._vocab_size = vocab_size
+        self._eos = list(eos_token_ids) or None
+        self.timeout_s = timeout_s
+        self._lltok: llguidance.LLTokenizer | None = None
+        self._cache: OrderedDict[tuple[str, str, str], Future] = OrderedDict()
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvgate-grammar")
+
+    def submit(self, structured: StructuredOutput) -> Future:
+        """A future of the compiled grammar (a template ``LLMatcher``; copy it with ``new_matcher``),
+        failing with ``StructuredOutputError`` for a spec that cannot compile.
+
+        Raises:
+            EngineUnavailableError: ``MAX_PENDING`` compiles are already queued or running.
+        """
+        key = structured.cache_id
+        with self._lock:
+            fut = self._cache.get(key)
+            if fut is not None:
+                self._cache.move_to_end(key)
+                return fut
+            if sum(not f.done() for f in self._cache.values()) >= MAX_PENDING:
+                raise EngineUnavailableError(f"{MAX_PENDING} grammars are compiling; retry shortly")
+            fut = self._cache[key] = self._pool.submit(self._compile, structured)
+            self._evict()
+        return fut
+
+    def _evict(self) -> None:
+        done = [k for k, f in self._cache.items() if f.done()]
+        for key in done[:max(0, len(self._cache) - CACHE_SIZE)]:
+            del self._cache[key]
+
+    def _tokenizer(self) -> llguidance.LLTokenizer:
+        if self._lltok is None:
+            try:
+                self._lltok = llguidance.hf.from_tokenizer(self._source, n_vocab=self._vocab_size,
+                                                           eos_token=self._eos)
+            except ValueError as e:
+                raise StructuredOutputError(f"structured outputs need a fast tokenizer: {e}") from None
+        return self._lltok
+
+    def _compile(self, structured: StructuredOutput) -> llguidance.LLMatcher:
+        kind = structured.kind.replace("_", " ")
+        try:
+            text = grammar_text(structured)
+        except ValueError as e:
+            raise StructuredOutputError(f"the {kind} cannot be compiled: {e}") from None
+        matcher = llguidance.LLMatcher(self._tokenizer(), text, log_level=0,
+                                       limits=llguidance.LLParserLimits(**_LIMITS))
+        if matcher.is_error():
+            raise StructuredOutputError(f"the {kind} cannot be compiled: {matcher.get_error()}")
+        return matcher
+
+    def check(self, structured: StructuredOutput) -> None:
+        """Compile (or find in the cache) ``structured``, waiting up to ``timeout_s``.
+
+        Raises:
+            StructuredOutputError: The spec cannot compile, or its compile outlasted ``timeout_s``.
+            EngineUnavailableError: Too many compiles are under way.
+        """
+        try:
+            self.submit(structured).result(self.timeout_s)
+        except FutureTimeout:
+            raise StructuredOutputError(f"the {structured.kind} took longer than {self.timeout_s:g} s to "
+                                        f"compile") from None
+
+    async def check_async(self, structured: StructuredOutput) -> None:
+        """``check`` for an event loop: the loop runs on while the worker compiles."""
+        try:
+            await asyncio.wait_for(asyncio.wrap_future(self.submit(structured)), self.timeout_s)
+        except TimeoutError:
+            raise StructuredOutputError(f"the {structured.kind} took longer than {self.timeout_s:g} s to "
+                                        f"compile") from None
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+_compilers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_compilers_lock = threading.Lock()
+
+
+def compiler_for(tokenizer) -> GrammarCompiler:
+    """The process's one ``GrammarCompiler`` for ``tokenizer`` (built on first use)."""
+    with _compilers_lock:
+        compiler = _compilers.get(tokenizer)
+        if compiler is None:
+            compiler = _compilers[tokenizer] = GrammarCompiler(tokenizer)
+        return compiler
+
+
+def check_structured(structured: StructuredOutput, tokenizer) -> None:
+    """Raise ``StructuredOutputError`` for a spec the grammar library cannot compile (cached per
+    tokenizer and (cache_key, kind, spec)). Blocks up to ``COMPILE_TIMEOUT_S``: from an event loop, use
+    ``await compiler_for(tokenizer).check_async(structured)``."""
+    compiler_for(tokenizer).check(structured)
+
+
+def new_matcher(template: llguidance.LLMatcher) -> llguidance.LLMatcher:
+    """A fresh matcher at the start of ``template``'s grammar, for one sequence."""
+    return template.deep_copy()
+
+
+_executor: llguidance.LLExecutor | None = None
+
+
+def fill_bitmask(matchers: list[llguidance.LLMatcher], vocab_size: int) -> torch.Tensor:
+    """[R, ceil(vocab / 32)] int32: bit j of word w of row i allows token 32 w + j for ``matchers[i]``
+    (computed in parallel in llguidance's threads, without the GIL)."""
+    global _executor
+    if _executor is None:
+        _executor = llguidance.LLExecutor()
+    bitmask = torch.full(((len(matchers)), (vocab_size + 31) // 32), -1, dtype=torch.int32)
+    llguidance.torch.fill_next_token_bitmask_par(_executor, [(m, i) for i, m in enumerate(matchers)], bitmask)
+    return bitmask
+
+
+def apply_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """Set to -inf, in place, the logits of ``rows`` (``[R]``) whose tokens ``bitmask`` (``[R, W]``
+    int32, W = ceil(vocab / 32)) does not allow.
+
+    The words, read as little-endian bytes, unpack into one flag per token with numpy's ``unpackbits``,
+    and on the CPU numpy writes the -inf too: single passes in C, where torch's broadcast shifts and its
+    threaded elementwise ops cost tens of ms a step at a 49k vocabulary on a busy machine."""
+    assert sys.byteorder == "little" and bitmask.shape[1] * 32 >= logits.shape[1]
+    bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, count=logits.shape[1], bitorder="little")
+    if logits.device.type != "cpu":
+        allowed = torch.from_numpy(bits.view(np.bool_)).to(logits.device)  # [R, V]
+        logits[rows] = torch.where(allowed, logits[rows], float("-inf"))
+        return
+    values = logits.numpy()  # the same memory
+    if rows.numel() == logits.shape[0]:  # every row is constrained: no gather and scatter back
+        np.copyto(values, -np.inf, where=bits == 0)
+        return
+    idx = rows.numpy()
+    part = values[idx]
+    np.copyto(part, -np.inf, where=bits == 0)
+    values[idx] = part
