@@ -36,6 +36,9 @@ class ModelRunner:
         if self.device.type == "cuda" and _has_triton():
             self.decoder = CudaDecoder(self.model, self.kv_caches, self.block_size, self.null_block, max_rows,
                                        self.model.cos_cache.shape[0], use_graphs)
+            if use_graphs:
+                with torch.inference_mode():
+                    self.decoder.capture_all()
 
     def _slots(self, block_ids: list[int], start: int, end: int) -> torch.Tensor:
         """Flat cache slots of token positions [start, end) of a sequence."""

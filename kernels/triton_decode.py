@@ -105,9 +105,10 @@ def _merge_kernel(part_ptr, lse_ptr, o_ptr, spr, sph, sps, slr, slh, sor, soh,
 
 
 def pick_num_splits(rows: int, num_kv_heads: int, num_sms: int) -> int:
-    """Spans per (row, KV head) so that the grid holds about four programs per SM (a power of two, at
-    most ``MAX_SPLITS``); each span still holds at least ``MIN_SPLIT_TOKENS``."""
-    want = max(1, -(-4 * num_sms // max(1, rows * num_kv_heads)))
+    """Spans per (row, KV head) so that the grid holds about eight programs per SM (a power of two, at
+    most ``MAX_SPLITS``); each span still holds at least ``MIN_SPLIT_TOKENS``. On an H200 (132 SMs) at
+    64 rows of 3 KV heads and 8k tokens, 8 splits read 2508 GB/s where 4 read 2288 (2026-11-26)."""
+    want = max(1, -(-8 * num_sms // max(1, rows * num_kv_heads)))
     return min(MAX_SPLITS, triton.next_power_of_2(want))
 
 
