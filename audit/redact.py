@@ -37,6 +37,8 @@ DEFAULT_ALLOWED_KEYS = frozenset({
     # request.finished's determinism receipt:
     "kind", "system_fingerprint", "token_hashes", "temperature", "top_p", "top_k", "seed", "stop",
     "arrival_step",
+    # request.admitted's feature names (json_schema, tools, ...): fixed words, never the schema itself.
+    "features",
 })
 ALLOWED_PREFIXES = ("num_", "is_", "max_", "min_")
 ALLOWED_SUFFIXES = ("_ms", "_s", "_bytes", "_count", "_id", "_ids", "_seq")

@@ -3,7 +3,8 @@
 Events (``name`` → fields; never prompts, completions or secrets):
     auth.success / auth.failure     key_id, tenant_id, kind, reason, path
     request.admitted                request_id, tenant_id, key_id, model, num_prompt_tokens,
-                                    prompt_hash, num_reserved_tokens, max_tokens, priority, determinism
+                                    prompt_hash, num_reserved_tokens, max_tokens, priority, determinism,
+                                    features (names only: json_schema, tools, ...; never a schema)
     request.rejected                request_id, tenant_id, key_id, code, status
     request.finished                request_id, tenant_id, key_id, finish_reasons, num_prompt_tokens,
                                     num_completion_tokens, num_cached_tokens, is_aborted, and the

@@ -7,6 +7,9 @@ from typing import Any
 
 import orjson
 
+from gateway.services.tools import ToolMode
+from gateway.tool_calls import CallParser, Piece, parse_reply
+
 # Engine "abort" only happens when we stop the request ourselves; clients only know these two.
 _FINISH = {"stop": "stop", "length": "length", "abort": "stop"}
 
@@ -103,17 +106,20 @@ def full_response(
     text_of: TokenText,
     *,
     system_fingerprint: str | None = None,
+    tools: ToolMode | None = None,
 ) -> dict[str, Any]:
+    """A whole response; with ``tools``, each chat choice's calls are read out of its text."""
     body = _base(kind, request_id, created, model, chunk=False, system_fingerprint=system_fingerprint)
     choices = []
     for o in outputs:
         if kind == "chat":
+            message, reason = _message(o.text, finish_reason(o.finish_reason), tools)
             choices.append(
                 {
                     "index": o.index,
-                    "message": {"role": "assistant", "content": o.text, "refusal": None},
+                    "message": message,
                     "logprobs": chat_logprobs(o.logprobs, text_of),
-                    "finish_reason": finish_reason(o.finish_reason),
+                    "finish_reason": reason,
                 }
             )
         else:
@@ -128,6 +134,20 @@ def full_response(
     body["choices"] = choices
     body["usage"] = usage
     return body
+
+
+def _message(text: str, reason: str | None, tools: ToolMode | None) -> tuple[dict[str, Any], str | None]:
+    """A chat choice's message and finish reason: ``tool_calls`` when the reply called a tool and ended
+    on its own (cut short by ``max_tokens``, it stays ``length``)."""
+    if tools is None:
+        return {"role": "assistant", "content": text, "refusal": None}, reason
+    content, calls = parse_reply(text, tools)
+    message: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}
+    if calls:
+        message["tool_calls"] = [c.as_dict() for c in calls]
+        if reason == "stop":
+            reason = "tool_calls"
+    return message, reason
 
 
 def chunk(
@@ -177,3 +197,28 @@ def role_choice(index: int) -> dict[str, Any]:
         "logprobs": None,
         "finish_reason": None,
     }
+
+
+def _piece_delta(p: Piece) -> dict[str, Any]:
+    if p.content is not None:
+        return {"content": p.content}
+    if p.call is not None:  # a call starts: its id and name, then its arguments in fragments
+        call = {"index": p.index, "id": p.call.id, "type": "function",
+                "function": {"name": p.call.name, "arguments": ""}}
+        return {"tool_calls": [call]}
+    return {"tool_calls": [{"index": p.index, "function": {"arguments": p.arguments}}]}
+
+
+def tool_delta_choices(choice: dict[str, Any], new_text: str, parser: CallParser) -> list[dict[str, Any]]:
+    """A streamed chat ``choice`` (``delta_choice``'s) as the choices of one or more chunks, its text read
+    through the choice's call ``parser``: content, then each call's id and name, then its arguments."""
+    reason = choice["finish_reason"]
+    pieces = parser.feed(new_text) + (parser.finish() if reason is not None else [])
+    steps = [{"index": choice["index"], "delta": _piece_delta(p), "logprobs": None, "finish_reason": None}
+             for p in pieces]
+    if reason is not None or (not steps and choice["logprobs"] is not None):
+        steps.append({"index": choice["index"], "delta": {}, "logprobs": None, "finish_reason": None})
+    if steps:
+        steps[0]["logprobs"] = choice["logprobs"]
+        steps[-1]["finish_reason"] = "tool_calls" if reason == "stop" and parser.num_calls else reason
+    return steps

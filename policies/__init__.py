@@ -2,6 +2,7 @@
 
 from policies.decision import Decision, Violation
 from policies.evaluate import RequestContext, evaluate
+from policies.features import STRUCTURED_FEATURES, FeatureUse, check_features
 from policies.models import ALL_DETERMINISM, CacheScope, Determinism, Policy
 
 __all__ = [
@@ -9,8 +10,11 @@ __all__ = [
     "CacheScope",
     "Decision",
     "Determinism",
+    "FeatureUse",
     "Policy",
     "RequestContext",
+    "STRUCTURED_FEATURES",
     "Violation",
+    "check_features",
     "evaluate",
 ]

@@ -37,6 +37,11 @@ class Policy(BaseModel):
         prompt_retention_days: Keep each request's prompt and completion, encrypted with the tenant's
             data key, for this many days (readable only with the ``retention:read`` admin scope);
             0, the default, stores neither.
+        allow_structured_outputs: Requests may constrain their reply (``response_format`` json_object or
+            json_schema, ``guided_*``).
+        allow_tools: Requests may declare ``tools``.
+        max_schema_bytes: Largest JSON schema (a ``response_format``'s, ``guided_json``, each tool's
+            parameters), in bytes as compact JSON; ``None``: the server's cap (64 KiB) alone.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -58,6 +63,9 @@ class Policy(BaseModel):
     default_determinism: Determinism = "fast"
     allowed_determinism: tuple[Determinism, ...] = ALL_DETERMINISM
     prompt_retention_days: int = Field(default=0, ge=0, le=3650)
+    allow_structured_outputs: bool = True
+    allow_tools: bool = True
+    max_schema_bytes: PositiveInt | None = None
 
     @model_validator(mode="after")
     def _check_consistent(self) -> Policy:

@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+import orjson
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from gateway.schemas.openai_tools import (
+    MAX_TOOLS,
+    ResponseFormat,
+    Tool,
+    ToolCall,
+    ToolChoice,
+    check_schema_shape,
+)
 from policies import Determinism
 
 _Str = Annotated[str, Field(max_length=1_000_000)]
@@ -24,7 +33,17 @@ class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: _Str | list[TextPart] | None = None
     name: str | None = Field(default=None, max_length=256)
-    tool_call_id: str | None = None
+    tool_call_id: str | None = Field(default=None, min_length=1, max_length=256)
+    tool_calls: Annotated[list[ToolCall], Field(max_length=MAX_TOOLS)] | None = None
+    refusal: str | None = Field(default=None, max_length=65_536)  # as a reply's message carries it
+
+    @model_validator(mode="after")
+    def _check_tool_fields(self) -> ChatMessage:
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("tool_calls is only allowed on assistant messages")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a tool message needs the tool_call_id of the call it answers")
+        return self
 
     def text(self) -> str:
         if self.content is None:
@@ -39,6 +58,11 @@ class StreamOptions(_Strict):
 
 
 _Stop = Annotated[str, Field(min_length=1, max_length=256)]
+_Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+_TokenIdKey = Annotated[str, Field(pattern=r"^[0-9]{1,10}$")]
+_Bias = Annotated[float, Field(ge=-100.0, le=100.0)]
+MAX_LOGIT_BIAS = 300
+_Choice = Annotated[str, Field(min_length=1, max_length=1024)]
 
 
 class _SamplingFields(_Strict):
@@ -52,6 +76,11 @@ class _SamplingFields(_Strict):
             ``stop`` string ends the completion. At most ``max_tokens`` (or, when that is unset, the room
             the context leaves after the prompt); more is a 400 with ``param`` ``min_tokens``.
         determinism: ``fast``, ``fixed`` or ``batch_invariant``, checked against the tenant's policy.
+        repetition_penalty: In (0, 2]; 1 disables. Divides the logit of every token already in the prompt
+            or the output where positive, multiplies it where negative.
+        guided_json, guided_regex, guided_choice, guided_grammar: What the generated text must match (a
+            JSON schema, a regular expression, one of a list of strings, a Lark or GBNF grammar); at most
+            one, and not with a JSON ``response_format``.
     """
 
     model: str = Field(min_length=1, max_length=256)
@@ -63,12 +92,32 @@ class _SamplingFields(_Strict):
     stop: _Stop | Annotated[list[_Stop], Field(max_length=4)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    frequency_penalty: float = Field(default=0.0, ge=0.0, le=0.0)
-    presence_penalty: float = Field(default=0.0, ge=0.0, le=0.0)
+    frequency_penalty: _Penalty = 0.0
+    presence_penalty: _Penalty = 0.0
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=2.0)  # extension
+    logit_bias: Annotated[dict[_TokenIdKey, _Bias], Field(max_length=MAX_LOGIT_BIAS)] | None = None
     user: str | None = Field(default=None, max_length=256)
     ignore_eos: bool = False  # extension
     min_tokens: int = Field(default=0, ge=0, le=2**31 - 1)  # extension; at most max_tokens (admission)
     determinism: Determinism | None = None  # extension; validated against the tenant's policy
+    guided_json: dict[str, Any] | str | None = None  # extension
+    guided_regex: str | None = Field(default=None, min_length=1, max_length=16_384)  # extension
+    guided_choice: Annotated[list[_Choice], Field(min_length=1, max_length=1024)] | None = None  # extension
+    guided_grammar: str | None = Field(default=None, min_length=1, max_length=65_536)  # extension
+
+    @field_validator("guided_json")
+    @classmethod
+    def _check_guided_json(cls, schema: dict[str, Any] | str | None) -> dict[str, Any] | None:
+        if isinstance(schema, str):  # a schema sent as JSON text, as vLLM also takes it
+            if len(schema) > 4 * 65_536:
+                raise ValueError("the schema is too large")
+            try:
+                schema = orjson.loads(schema)
+            except orjson.JSONDecodeError:
+                raise ValueError("the schema is not valid JSON") from None
+            if not isinstance(schema, dict):
+                raise ValueError("the schema must be a JSON object")
+        return schema if schema is None else check_schema_shape(schema)
 
     @model_validator(mode="after")
     def _check_stream_options(self) -> _SamplingFields:
@@ -93,6 +142,20 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    response_format: ResponseFormat | None = None
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+
+    @field_validator("tool_choice", mode="wrap")
+    @classmethod
+    def _check_tool_choice(cls, value: Any, handler: Any) -> Any:
+        # One message naming the field, not one per member of the union (whose tags end up in ``param``).
+        try:
+            return handler(value)
+        except ValidationError:
+            raise ValueError('tool_choice must be "none", "auto", "required" or '
+                             '{"type": "function", "function": {"name": ...}}') from None
 
     @model_validator(mode="after")
     def _check_logprobs(self) -> ChatCompletionRequest:

@@ -67,13 +67,27 @@ class TextLogprobs(_Doc):
     text_offset: list[int]
 
 
-FinishReason = Literal["stop", "length"] | None
+FinishReason = Literal["stop", "length", "tool_calls"] | None
+
+
+class FunctionCall(_Doc):
+    name: str
+    arguments: str  # JSON text
+
+
+class MessageToolCall(_Doc):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
 
 
 class AssistantMessage(_Doc):
+    """``content`` is null when the reply holds only tool calls."""
+
     role: Literal["assistant"]
-    content: str
+    content: str | None
     refusal: None
+    tool_calls: list[MessageToolCall] | None = None
 
 
 class ChatChoice(_Doc):
@@ -98,9 +112,25 @@ class ChatCompletion(_CompletionHead):
     usage: Usage
 
 
+class FunctionCallDelta(_Doc):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(_Doc):
+    """A streamed call: its first delta has ``id``, ``type`` and ``function.name``; the next ones add
+    fragments of ``function.arguments``."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta
+
+
 class ChatDelta(_Doc):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(_Doc):

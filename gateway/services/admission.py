@@ -29,7 +29,9 @@ from gateway.services.prompt_tokens import (  # kvgate replay and the benchmarks
 from gateway.services.quota import Reservation
 from gateway.services.ratelimit import Hold, RateLimitInfo
 from gateway.services.sampling import sampling_params
+from gateway.services.structured import check_compiles, constraint
 from gateway.services.tenants import current_policy
+from gateway.services.tools import ToolMode
 from policies import Decision, Policy, RequestContext, evaluate
 
 __all__ = ["Admission", "admit", "chat_token_ids", "text_token_ids", "tokenize"]
@@ -59,6 +61,7 @@ class Admission:
     system_fingerprint: str | None = None
     place: EnginePlace | None = None  # in the engine gate, given back when the request's settlement starts
     share: TenantShare | None = None  # the tenant's account in the engine's fair share
+    tools: ToolMode | None = None  # how tool calls are read out of the reply (chat with tools only)
 
     def __repr__(self) -> str:  # lengths only, never the prompt
         return (
@@ -249,13 +252,17 @@ async def admit(
     bind_request_context(request_id=request_id)
     register_sensitive(*retention.prompt_texts(req))
     policy = await _policy(rt, principal, req)
+    found = constraint(req, policy, principal.tenant_id or "")  # the policy's feature checks: cheap, first
     hold = rt.quota.gate.take(principal.tenant_id, policy, time.time(), rt.overload.tenant_wait_s)
     place = None
     try:
         place = rt.overload.take()  # after the tenant's own limits: over them, the answer is its 429
         prompt_ids, decision = await _decide(rt, principal, policy, req)
-        params = sampling_params(req, decision)
+        await check_compiles(rt.engine.tokenizer, found)
+        params = sampling_params(req, decision, len(rt.engine.tokenizer), found.structured)
         fields = _admitted_fields(request_id, principal, req.model, len(prompt_ids), decision)
+        if found.features:
+            fields["features"] = list(found.features)
         fields["prompt_hash"] = prompt_hash = rt.prompt_hash(prompt_ids)
         reservation, info = await _reserve_audited(rt, principal, policy, decision, fields, auth_event, hold)
     except BaseException:
@@ -281,4 +288,5 @@ async def admit(
         system_fingerprint=rt.engine.determinism.fingerprints[decision.determinism],
         place=place,
         share=_share(rt, principal, policy),
+        tools=found.tools,
     )

@@ -26,6 +26,7 @@ from gateway.schemas.openai import ChatCompletionRequest, CompletionRequest
 from gateway.services.admission import Admission, admit
 from gateway.services.keys import Principal
 from gateway.services.settlement import Progress, finish, finish_soon, until_committed
+from gateway.tool_calls import CallParser
 
 log = structlog.get_logger()
 ENGINE_RETRY_AFTER_S = 5  # about a restarted engine's start-up on the default model
@@ -98,20 +99,32 @@ async def _run_whole(rt: Runtime, adm: Admission) -> WholeReply:
         usage,
         rt.token_text,
         system_fingerprint=last.system_fingerprint,
+        tools=adm.tools,
     )
     return WholeReply(body, adm.headers, finishing)
 
 
 def _chunks(
-    adm: Admission, out: Any, progress: Progress, include_usage: bool, text_of: fmt.TokenText
+    adm: Admission,
+    out: Any,
+    progress: Progress,
+    include_usage: bool,
+    text_of: fmt.TokenText,
+    parsers: dict[int, CallParser] | None = None,
 ) -> list[bytes]:
+    """The SSE chunks of one engine output; with ``parsers`` (a chat with tools), each choice's text is
+    read through its call parser, one chunk per step (``fmt.tool_delta_choices``)."""
     choices = []
     for o in out.outputs:
         if not o.new_token_ids and not o.new_text and o.finish_reason is None:
             continue
         prev = progress.num_tokens.get(o.index, 0)
         choice = fmt.delta_choice(adm.kind, o, prev, text_of, progress.num_chars.get(o.index, 0))
-        choices.append(choice)
+        if parsers is not None:
+            parser = parsers.setdefault(o.index, CallParser(adm.tools))  # type: ignore[arg-type]
+            choices += [[c] for c in fmt.tool_delta_choices(choice, o.new_text, parser)]
+        else:
+            choices.append([choice])
         progress.num_tokens[o.index] = len(o.token_ids)
         # Where the next token's text starts, as a whole response's text_offset counts it: the streamed
         # text lags the tokens while a stop string may be forming, so it is no measure of that.
@@ -120,7 +133,9 @@ def _chunks(
             progress.num_chars[o.index] = lp["text_offset"][-1] + len(lp["tokens"][-1])
     if not choices:
         return []
-    return [fmt.sse(_chunk(adm, choices, include_usage))]
+    if parsers is not None:
+        return [fmt.sse(_chunk(adm, c, include_usage)) for c in choices]
+    return [fmt.sse(_chunk(adm, [c[0] for c in choices], include_usage))]
 
 
 def _chunk(adm: Admission, choices: list[dict[str, Any]], include_usage: bool, usage: Any = None) -> dict:
@@ -150,14 +165,15 @@ async def _stream(
         if adm.kind == "chat":
             roles = [fmt.role_choice(i) for i in range(adm.params.n)]
             yield fmt.sse(_chunk(adm, roles, include_usage))
+        parsers: dict[int, CallParser] | None = {} if adm.tools is not None else None
         outs = [first] if first is not None else []
         for out in outs:
-            for data in _chunks(adm, out, progress, include_usage, rt.token_text):
+            for data in _chunks(adm, out, progress, include_usage, rt.token_text, parsers):
                 yield data
         if first is not None and not first.finished:
             async for out in gen:
                 progress.last, progress.is_done = out, out.finished
-                for data in _chunks(adm, out, progress, include_usage, rt.token_text):
+                for data in _chunks(adm, out, progress, include_usage, rt.token_text, parsers):
                     yield data
         if include_usage:
             usage = fmt.usage_dict(*progress.usage(adm))

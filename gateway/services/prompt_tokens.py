@@ -13,6 +13,7 @@ from gateway.errors import InvalidRequest, PolicyViolation
 from gateway.schemas.openai import ChatCompletionRequest, CompletionRequest
 from gateway.services.ratelimit import exceeded
 from gateway.services.segment_cache import SegmentCache, encode
+from gateway.services.tools import template_input
 
 T = TypeVar("T")
 
@@ -25,14 +26,13 @@ def chat_token_ids(
     segments: SegmentCache | None = None,
     namespace: str | None = None,
 ) -> list[int]:
-    """The prompt token ids of a chat request: the model's chat template with the generation prompt.
+    """The prompt token ids of a chat request: the model's chat template with the generation prompt (and
+    the request's tools, ``gateway.services.tools``).
     ``kvgate replay`` calls this too, so a replayed prompt is rendered exactly as the gateway did.
     ``segments`` reuses the ids of pieces ``namespace`` sent before (the same ids, see its module)."""
-    messages = [
-        {"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages
-    ]
+    messages, extra = template_input(tokenizer, req)  # tools, and earlier calls and results, if any
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **extra)
     except Exception as e:  # noqa: BLE001  (template errors are the caller's message shape)
         raise InvalidRequest(
             f"The messages cannot be rendered by this model's chat template: {type(e).__name__}.",

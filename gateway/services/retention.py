@@ -30,7 +30,8 @@ MAX_LIST = 1000
 def prompt_texts(req: ChatCompletionRequest | CompletionRequest) -> list[str]:
     """Every piece of user text in the request (what the redactor must never let through)."""
     if isinstance(req, ChatCompletionRequest):
-        return [m.text() for m in req.messages]
+        calls = [c.function.arguments for m in req.messages for c in m.tool_calls or []]
+        return [m.text() for m in req.messages] + calls
     prompt = req.prompt
     if isinstance(prompt, str):
         return [prompt]

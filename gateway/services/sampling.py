@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import secrets
 
-from engine import SamplingParams
+from engine import SamplingParams, StructuredOutput
 from engine.errors import InvalidRequestError
 from gateway.errors import InvalidRequest
 from gateway.schemas.openai import ChatCompletionRequest, CompletionRequest
@@ -20,11 +20,32 @@ def _seed(req: ChatCompletionRequest | CompletionRequest) -> int | None:
     return secrets.randbits(32)
 
 
-def sampling_params(req: ChatCompletionRequest | CompletionRequest, decision: Decision) -> SamplingParams:
-    """The engine's parameters for ``req`` under its policy's ``decision``.
+def _logit_bias(req: ChatCompletionRequest | CompletionRequest, vocab_size: int) -> dict[int, float] | None:
+    if not req.logit_bias:
+        return None
+    bias = {int(token): value for token, value in req.logit_bias.items()}
+    outside = [t for t in bias if t >= vocab_size]
+    if outside:
+        raise InvalidRequest(
+            f"logit_bias names token {outside[0]}, outside the vocabulary ({vocab_size} tokens).",
+            code="invalid_value",
+            param="logit_bias",
+        )
+    return bias
+
+
+def sampling_params(
+    req: ChatCompletionRequest | CompletionRequest,
+    decision: Decision,
+    vocab_size: int,
+    structured: StructuredOutput | None = None,
+) -> SamplingParams:
+    """The engine's parameters for ``req`` under its policy's ``decision``; ``structured`` is what its
+    text must match (``gateway.services.structured``).
 
     Raises:
-        InvalidRequest: ``min_tokens`` over ``max_tokens``, or parameters the engine refuses (400).
+        InvalidRequest: ``min_tokens`` over ``max_tokens``, a ``logit_bias`` token outside the
+            ``vocab_size`` tokens, or parameters the engine refuses (400).
     """
     if req.min_tokens > decision.max_tokens:
         limit = "max_tokens" if req.requested_max_tokens is not None else "the room the prompt leaves"
@@ -46,6 +67,11 @@ def sampling_params(req: ChatCompletionRequest | CompletionRequest, decision: De
             min_tokens=req.min_tokens,
             logprobs=req.num_logprobs,
             determinism=decision.determinism,
+            presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty,
+            repetition_penalty=req.repetition_penalty,
+            logit_bias=_logit_bias(req, vocab_size),
+            structured=structured,
         )
     except InvalidRequestError as e:
         raise InvalidRequest(str(e)) from None

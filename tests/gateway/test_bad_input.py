@@ -65,7 +65,7 @@ def bodies(model):
                 {"stream_options": {"include_usage": True}},
                 {"seed": 2**70},
                 {"model": 5},
-                {"frequency_penalty": 1},
+                {"frequency_penalty": 3},
                 {"max_tokens": 10**12},
                 {"determinism": "quantum"},
                 {

@@ -1,0 +1,128 @@
+"""OpenAI request parts for structured outputs and tools: ``response_format``, ``tools``, ``tool_choice``
+and the assistant's ``tool_calls`` in a follow-up turn (strict, as the rest of the request)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import orjson
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+# A JSON schema (or a tool's parameters) is capped before any work that grows with it: at most this many
+# bytes as compact JSON and this deep. A tenant's policy may lower the bytes (``max_schema_bytes``).
+MAX_SCHEMA_BYTES = 64 * 1024
+MAX_SCHEMA_DEPTH = 32
+MAX_TOOLS = 128
+MAX_TOOL_ARGUMENTS_CHARS = 1_000_000
+TOOL_NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
+
+_Name = Annotated[str, Field(pattern=TOOL_NAME_PATTERN)]
+_Description = Annotated[str, Field(max_length=65_536)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+
+
+def json_depth(value: Any) -> int:
+    """How deep ``value`` nests (a scalar is 0, ``{}`` and ``[]`` are 1), without recursion."""
+    depth, level = 0, [value]
+    while level:
+        containers = [v for v in level if isinstance(v, dict | list)]
+        if not containers:
+            break
+        depth += 1
+        level = [x for c in containers for x in (c.values() if isinstance(c, dict) else c)]
+    return depth
+
+
+def schema_bytes(schema: Any) -> int:
+    """The schema's size as compact JSON: what the caps count."""
+    return len(orjson.dumps(schema))
+
+
+def check_schema_shape(schema: dict[str, Any]) -> dict[str, Any]:
+    """Refuse a schema over the server's size or depth caps (a ``ValueError`` names which)."""
+    size = schema_bytes(schema)
+    if size > MAX_SCHEMA_BYTES:
+        raise ValueError(f"the schema is {size} bytes; at most {MAX_SCHEMA_BYTES} are accepted")
+    depth = json_depth(schema)
+    if depth > MAX_SCHEMA_DEPTH:
+        raise ValueError(f"the schema nests {depth} levels deep; at most {MAX_SCHEMA_DEPTH} are accepted")
+    return schema
+
+
+class JsonSchemaSpec(_Strict):
+    """``response_format.json_schema``: the schema the reply must validate against."""
+
+    name: _Name
+    description: _Description | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+    @field_validator("schema_")
+    @classmethod
+    def _check_schema(cls, schema: dict[str, Any]) -> dict[str, Any]:
+        return check_schema_shape(schema)
+
+
+class ResponseFormat(_Strict):
+    """``text`` (no constraint), ``json_object`` (any JSON object) or ``json_schema`` (with
+    ``json_schema``). One model rather than a tagged union, so that an error's ``param`` is the field's
+    path (a union's would hold the tag)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaSpec | None = None
+
+    @model_validator(mode="after")
+    def _check_json_schema(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is required with type json_schema, and only allowed with it")
+        return self
+
+
+class FunctionDef(_Strict):
+    """A function the model may call; ``parameters`` is a JSON schema of its arguments (an empty object
+    when left out)."""
+
+    name: _Name
+    description: _Description | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+    @field_validator("parameters")
+    @classmethod
+    def _check_parameters(cls, schema: dict[str, Any] | None) -> dict[str, Any] | None:
+        return schema if schema is None else check_schema_shape(schema)
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Strict):
+    name: _Name
+
+
+class NamedToolChoice(_Strict):
+    """``tool_choice`` naming the one function the model must call."""
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+class ToolCallFunction(_Strict):
+    name: Annotated[str, Field(max_length=64)]
+    arguments: Annotated[str, Field(max_length=MAX_TOOL_ARGUMENTS_CHARS)]
+
+
+class ToolCall(_Strict):
+    """A call an assistant message made, sent back in a follow-up turn."""
+
+    id: Annotated[str, Field(min_length=1, max_length=256)]
+    type: Literal["function"]
+    function: ToolCallFunction

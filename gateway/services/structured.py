@@ -1,0 +1,161 @@
+"""Structured outputs and tools at admission: which features a request uses, the one constraint its
+text must match, and that constraint checked (schema against its metaschema, then compiled by the
+engine's grammar library, off the event loop and within a deadline) before any quota is reserved."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import jsonschema_rs
+import orjson
+
+from engine import StructuredOutput, StructuredOutputError
+from engine.errors import EngineUnavailableError
+from engine.grammar import compiler_for
+from gateway.errors import InvalidRequest, PolicyViolation, ServiceUnavailable
+from gateway.schemas.openai import ChatCompletionRequest, CompletionRequest
+from gateway.schemas.openai_tools import schema_bytes
+from gateway.services.tools import ToolMode, forcing_schema, parameters, tool_mode
+from policies import FeatureUse, Policy, check_features
+
+_MAX_MESSAGE_CHARS = 300
+COMPILE_RETRY_AFTER_S = 1
+
+
+@dataclass(frozen=True, slots=True)
+class Constraint:
+    """What a request asks of its reply's shape.
+
+    Attributes:
+        structured: The engine's constraint, if any (a forced tool call's included).
+        param: The request field it came from (for errors).
+        tools: How tool calls are read out of the reply; ``None`` without tools.
+        features: The features the request uses, for the audit trail (never their content).
+    """
+
+    structured: StructuredOutput | None
+    param: str | None
+    tools: ToolMode | None
+    features: tuple[str, ...]
+
+
+def _sources(req: ChatCompletionRequest | CompletionRequest) -> list[tuple[str, str, dict[str, Any]]]:
+    """``(feature, param, StructuredOutput fields)`` for each constraint the request names."""
+    found = []
+    fmt = getattr(req, "response_format", None)
+    if fmt is not None and fmt.json_schema is not None:
+        schema = orjson.dumps(fmt.json_schema.schema_).decode()
+        found.append(("json_schema", "response_format.json_schema.schema", {"json_schema": schema}))
+    elif fmt is not None and fmt.type == "json_object":
+        found.append(("json_object", "response_format", {"json_object": True}))
+    if req.guided_json is not None:
+        found.append(("json_schema", "guided_json", {"json_schema": orjson.dumps(req.guided_json).decode()}))
+    if req.guided_regex is not None:
+        found.append(("regex", "guided_regex", {"regex": req.guided_regex}))
+    if req.guided_choice is not None:
+        found.append(("choice", "guided_choice", {"choice": tuple(req.guided_choice)}))
+    if req.guided_grammar is not None:
+        found.append(("grammar", "guided_grammar", {"grammar": req.guided_grammar}))
+    return found
+
+
+def _uses(req: ChatCompletionRequest | CompletionRequest, sources: list) -> list[FeatureUse]:
+    uses = []
+    for feature, param, spec in sources:
+        size = len(spec["json_schema"]) if "json_schema" in spec else 0
+        uses.append(FeatureUse(feature, param, size))
+    for i, tool in enumerate(getattr(req, "tools", None) or []):
+        uses.append(FeatureUse("tools", f"tools.{i}.function.parameters", schema_bytes(parameters(tool))))
+    if req.logit_bias:
+        uses.append(FeatureUse("logit_bias", "logit_bias"))
+    if req.presence_penalty or req.frequency_penalty or req.repetition_penalty != 1.0:
+        uses.append(FeatureUse("penalties", "presence_penalty"))
+    return uses
+
+
+def _check_metaschema(schema: Any, param: str) -> None:
+    """A schema that is no JSON schema is the caller's 400, named before the grammar library sees it."""
+    try:
+        jsonschema_rs.meta.validate(schema)
+    except jsonschema_rs.ValidationError as e:
+        raise InvalidRequest(f"The schema is not a valid JSON schema: {_first_line(str(e))}",
+                             code="invalid_schema", param=param) from None
+    except (jsonschema_rs.ReferencingError, ValueError) as e:  # an unknown $schema, say
+        raise InvalidRequest(f"The schema cannot be read: {_first_line(str(e))}",
+                             code="invalid_schema", param=param) from None
+
+
+def _first_line(text: str) -> str:
+    return text.strip().splitlines()[0][:_MAX_MESSAGE_CHARS] if text.strip() else "no reason given"
+
+
+def constraint(req: ChatCompletionRequest | CompletionRequest, policy: Policy, cache_key: str) -> Constraint:
+    """The request's constraint, after its policy's feature checks and the schemas' metaschema checks
+    (cheap: compiling is ``check_compiles``).
+
+    Raises:
+        InvalidRequest: Two constraints at once, a schema that is no JSON schema, bad tools (400).
+        PolicyViolation: A feature the tenant's policy turns off, a schema over its size (400).
+    """
+    sources = _sources(req)
+    mode = tool_mode(req) if isinstance(req, ChatCompletionRequest) else None
+    if len(sources) > 1:
+        raise InvalidRequest("At most one of response_format (json), guided_json, guided_regex, "
+                             "guided_choice and guided_grammar may be given.", param=sources[1][1])
+    if mode is not None and mode.is_forced and sources:
+        raise InvalidRequest("A forced tool_choice cannot be combined with a structured output.",
+                             param="tool_choice")
+    uses = _uses(req, sources)
+    violation = check_features(policy, uses)
+    if violation is not None:
+        raise PolicyViolation(violation.message, status=violation.status, code=violation.code,
+                              param=violation.param)
+    for use in uses:
+        if use.feature == "json_schema":
+            _check_metaschema(_json_schema(req, use.param), use.param)
+    for i, tool in enumerate(getattr(req, "tools", None) or []):
+        _check_metaschema(parameters(tool), f"tools.{i}.function.parameters")
+    features = tuple(dict.fromkeys(u.feature for u in uses))
+    if mode is not None and mode.is_forced:
+        schema = orjson.dumps(forcing_schema(req, mode)).decode()  # type: ignore[arg-type]
+        return Constraint(_structured({"json_schema": schema}, cache_key), "tool_choice", mode, features)
+    if not sources:
+        return Constraint(None, None, mode, features)
+    _, param, spec = sources[0]
+    return Constraint(_structured(spec, cache_key, param), param, mode, features)
+
+
+def _json_schema(req: ChatCompletionRequest | CompletionRequest, param: str) -> Any:
+    if param == "guided_json":
+        return req.guided_json
+    return req.response_format.json_schema.schema_  # type: ignore[union-attr]
+
+
+def _structured(spec: dict[str, Any], cache_key: str, param: str = "tool_choice") -> StructuredOutput:
+    try:
+        return StructuredOutput(**spec, cache_key=cache_key)
+    except StructuredOutputError as e:
+        raise InvalidRequest(f"The {param} cannot be used: {_first_line(str(e))}.", code="invalid_schema",
+                             param=param) from None
+
+
+async def check_compiles(tokenizer: Any, found: Constraint) -> None:
+    """Compile the constraint (the engine's grammar library, cached per tenant and spec) on its worker
+    thread, within its deadline.
+
+    Raises:
+        InvalidRequest: The library cannot compile it, or not in time (400 ``invalid_schema``).
+        ServiceUnavailable: Too many compiles under way (503 with ``Retry-After``).
+    """
+    if found.structured is None:
+        return
+    try:
+        await compiler_for(tokenizer).check_async(found.structured)
+    except StructuredOutputError as e:
+        raise InvalidRequest(f"The {found.param} cannot be compiled: {_first_line(str(e))}.",
+                             code="invalid_schema", param=found.param) from None
+    except EngineUnavailableError as e:
+        raise ServiceUnavailable(f"Too many structured outputs are compiling ({e}); retry shortly.",
+                                 code="grammar_busy",
+                                 headers={"Retry-After": str(COMPILE_RETRY_AFTER_S)}) from None

@@ -1,0 +1,154 @@
+"""Structured outputs, tools and the sampling fields at the edge: every bad input is a 400 in OpenAI's
+error shape naming the field, a policy can turn the features off, and the audit trail names the features
+a request used, never its schema."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from policies import Policy
+from tests.gateway.conftest import tenant_events
+
+MSG = [{"role": "user", "content": "hi"}]
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": SCHEMA}}
+
+
+def _deep(levels: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"x": schema}}
+    return schema
+
+
+def _fmt(schema: object, name: str = "out") -> dict:
+    return {"response_format": {"type": "json_schema", "json_schema": {"name": name, "schema": schema}}}
+
+
+BAD_CHAT = [
+    (_fmt({"type": "foo"}), "response_format.json_schema.schema", "invalid_schema"),
+    (_fmt({"type": "object", "properties": 5}), "response_format.json_schema.schema", "invalid_schema"),
+    (_fmt(_deep(20)), "response_format.json_schema.schema", "invalid_value"),
+    (_fmt({"enum": ["x" * 70_000]}), "response_format.json_schema.schema", "invalid_value"),
+    (_fmt(SCHEMA, name="no spaces"), "response_format.json_schema.name", "invalid_value"),
+    (_fmt({"$ref": "#/$defs/missing"}), "response_format.json_schema.schema", "invalid_schema"),
+    ({"response_format": {"type": "xml"}}, "response_format.type", "invalid_value"),
+    ({"response_format": {"type": "json_schema"}}, "response_format", "invalid_value"),
+    ({"response_format": {"type": "text", "json_schema": {"name": "x"}}}, "response_format", "invalid_value"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}},
+     "response_format.json_schema.name", "invalid_value"),
+    ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools.0.function.name",
+     "invalid_value"),
+    ({"tools": [{"type": "function", "function": {"name": "f" * 65}}]}, "tools.0.function.name",
+     "invalid_value"),
+    ({"tools": [{"type": "retrieval"}]}, "tools.0.type", "invalid_value"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": 5}}}]},
+     "tools.0.function.parameters", "invalid_schema"),
+    ({"tools": [TOOL, TOOL]}, "tools.1.function.name", None),
+    ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     "tool_choice.function.name", None),
+    ({"tool_choice": "required"}, "tool_choice", None),
+    ({"tools": [TOOL], "tool_choice": "sometimes"}, "tool_choice", "invalid_value"),
+    ({"parallel_tool_calls": False}, "parallel_tool_calls", None),
+    ({"tools": [TOOL], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice",
+     None),
+    ({"tools": [TOOL] * 129}, "tools", "invalid_value"),
+    ({"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias", "invalid_value"),
+    ({"logit_bias": {"5": 101}}, "logit_bias.5", "invalid_value"),
+    ({"logit_bias": {"five": 1}}, "logit_bias.five.[key]", "invalid_value"),
+    ({"logit_bias": {"99999999": 1}}, "logit_bias", "invalid_value"),
+    ({"presence_penalty": 2.5}, "presence_penalty", "invalid_value"),
+    ({"frequency_penalty": -3}, "frequency_penalty", "invalid_value"),
+    ({"repetition_penalty": 0}, "repetition_penalty", "invalid_value"),
+    ({"repetition_penalty": 2.5}, "repetition_penalty", "invalid_value"),
+    ({"guided_json": SCHEMA, "guided_regex": "a+"}, "guided_regex", None),
+    ({"response_format": {"type": "json_object"}, "guided_json": SCHEMA}, "guided_json", None),
+    ({"guided_json": "not json"}, "guided_json", "invalid_value"),
+    ({"guided_json": {"type": "foo"}}, "guided_json", "invalid_schema"),
+    ({"guided_regex": "(unclosed"}, "guided_regex", "invalid_schema"),
+    ({"guided_grammar": "this is no grammar ::= ::="}, "guided_grammar", "invalid_schema"),
+    ({"guided_choice": []}, "guided_choice", "invalid_value"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0", "invalid_value"),
+    ({"messages": [{"role": "user", "content": "x", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]},
+     "messages.0", "invalid_value"),
+]
+
+
+@pytest.fixture
+async def ctx(gw):
+    _, key = await gw.make_tenant()
+    return gw, {"Authorization": f"Bearer {key}"}, gw.runtime.engine.model_name
+
+
+def _assert_400(r, param: str, code: str | None) -> None:
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "invalid_request_error" and error["param"] == param, error
+    if code is not None:
+        assert error["code"] == code, error
+
+
+@pytest.mark.parametrize(("extra", "param", "code"), BAD_CHAT, ids=[p for _, p, _ in BAD_CHAT])
+async def test_bad_chat_inputs_are_400_naming_the_field(ctx, extra, param, code):
+    gw, h, model = ctx
+    r = await gw.client.post("/v1/chat/completions", headers=h,
+                             json={"model": model, "messages": MSG, "max_tokens": 2} | extra)
+    _assert_400(r, param, code)
+
+
+@pytest.mark.parametrize(("extra", "param"), [
+    ({"guided_choice": ["a", ""]}, "guided_choice.1"),
+    ({"guided_regex": "[z-a]"}, "guided_regex"),
+    ({"guided_json": {"type": "object", "required": "a"}}, "guided_json"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"tools": [TOOL]}, "tools"),
+    ({"logit_bias": {"1": 200}}, "logit_bias.1"),
+])
+async def test_bad_completion_inputs_are_400(ctx, extra, param):
+    gw, h, model = ctx
+    r = await gw.client.post("/v1/completions", headers=h,
+                             json={"model": model, "prompt": "hi", "max_tokens": 2} | extra)
+    _assert_400(r, param, None)
+
+
+@pytest.mark.parametrize(("policy", "extra", "param", "code"), [
+    (Policy(allow_structured_outputs=False), _fmt(SCHEMA), "response_format.json_schema.schema",
+     "feature_not_allowed"),
+    (Policy(allow_structured_outputs=False), {"guided_choice": ["a", "b"]}, "guided_choice",
+     "feature_not_allowed"),
+    (Policy(allow_tools=False), {"tools": [TOOL]}, "tools", "feature_not_allowed"),
+    (Policy(max_schema_bytes=40), _fmt(SCHEMA), "response_format.json_schema.schema", "schema_too_large"),
+    (Policy(max_schema_bytes=40), {"tools": [TOOL]}, "tools.0.function.parameters", "schema_too_large"),
+])
+async def test_a_policy_turns_features_off(gw, policy, extra, param, code):
+    _, key = await gw.make_tenant(policy=policy)
+    r = await gw.client.post("/v1/chat/completions", headers={"Authorization": f"Bearer {key}"},
+                             json={"model": gw.runtime.engine.model_name, "messages": MSG, "max_tokens": 2}
+                             | extra)
+    _assert_400(r, param, code)
+
+
+async def test_allowed_features_pass_and_are_audited_by_name_only(gw, sqlite_url):
+    tenant_id, key = await gw.make_tenant(policy=Policy(allow_tools=True, max_schema_bytes=1000))
+    h = {"Authorization": f"Bearer {key}"}
+    model = gw.runtime.engine.model_name
+    secret = "zebra_quokka_field"
+    schema = {"type": "object", "properties": {secret: {"type": "string", "maxLength": 3}},
+              "required": [secret]}
+    body = {"model": model, "messages": MSG, "max_tokens": 24, "temperature": 0, "presence_penalty": 0.5,
+            "logit_bias": {"5": -100}, "tools": [TOOL], **_fmt(schema)}
+    r = await gw.client.post("/v1/chat/completions", headers=h, json=body)
+    assert r.status_code == 200, r.text
+    body = {"model": model, "prompt": "hi", "max_tokens": 4, "guided_choice": ["yes", "no"]}
+    r = await gw.client.post("/v1/completions", headers=h, json=body)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] in ("yes", "no")
+    events = await tenant_events(sqlite_url, gw.settings.data_dir, tenant_id)
+    admitted = [data for name, _, data in events if name == "request.admitted"]
+    assert admitted[0]["features"] == ["json_schema", "tools", "logit_bias", "penalties"]
+    assert admitted[1]["features"] == ["choice"]
+    assert secret not in json.dumps(events)

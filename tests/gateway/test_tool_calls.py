@@ -1,0 +1,125 @@
+"""Tool calls read out of replies (whole, and streamed in pieces cut anywhere), the schema that forces a
+call, and how tools and tool turns reach a chat template without a tools section."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema_rs
+import pytest
+from transformers import AutoTokenizer
+
+from gateway.schemas.openai import ChatCompletionRequest
+from gateway.services.tools import ToolMode, forcing_schema, template_input, tool_mode
+from gateway.tool_calls import CallParser, parse_reply
+
+NAMES = frozenset({"get_weather", "get_time"})
+AUTO = ToolMode("auto", NAMES)
+REPLY = ('Let me look.\n<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>\n'
+         '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>\n')
+
+
+def _stream(text: str, mode: ToolMode, cuts: list[int], strict: bool = False) -> tuple[str, list[tuple]]:
+    """The content and the calls ``(id, name, arguments)`` of ``text`` streamed in pieces cut at ``cuts``;
+    ``strict``: no content piece may hold markup."""
+    parser, pieces, start = CallParser(mode), [], 0
+    for cut in [*cuts, len(text)]:
+        pieces += parser.feed(text[start:cut])
+        start = cut
+    pieces += parser.finish()
+    content, calls = "", []
+    for p in pieces:
+        if p.content is not None:
+            assert not strict or "<" not in p.content, p.content
+            content += p.content
+        elif p.call is not None:
+            assert p.index == len(calls) and p.call.id.startswith("call_")
+            calls.append([p.call.id, p.call.name, ""])
+        else:
+            calls[p.index][2] += p.arguments or ""
+    return content, [tuple(c) for c in calls]
+
+
+def test_whole_reply_with_text_and_two_calls():
+    content, calls = parse_reply(REPLY, AUTO)
+    assert content == "Let me look."
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris"}),
+                                                                  ("get_time", {})]
+    assert len({c.id for c in calls}) == 2
+
+
+@pytest.mark.parametrize("cut", range(0, len(REPLY), 3))
+def test_streamed_pieces_cut_anywhere_give_the_same_calls(cut):
+    for cuts in ([cut], [cut, min(cut + 1, len(REPLY))], list(range(1, len(REPLY)))[cut % 2::2]):
+        content, calls = _stream(REPLY, AUTO, cuts, strict=True)
+        assert content == "Let me look.\n"
+        assert [(n, json.loads(a)) for _, n, a in calls] == [("get_weather", {"city": "Paris"}),
+                                                             ("get_time", {})]
+
+
+def test_what_is_no_call_stays_text():
+    for text in ['<tool_call>{"name": "nope", "arguments": {}}</tool_call>', "<tool_call>{bad</tool_call>",
+                 "a < b and <tool_ is not a tag", '<tool_call>{"name": "get_time"']:
+        assert parse_reply(text, AUTO) == (text, [])
+        assert _stream(text, AUTO, list(range(1, len(text)))) == (text, [])
+
+
+def test_an_unclosed_last_block_that_parses_is_a_call():
+    content, calls = parse_reply('<tool_call>{"name": "get_time", "arguments": {}}', AUTO)
+    assert content is None and [c.name for c in calls] == ["get_time"]
+
+
+def test_forced_replies():
+    named = ToolMode("named", NAMES, "get_weather", parallel=False)
+    content, [call] = parse_reply('{"city": "Oslo"}', named)
+    assert content is None and call.name == "get_weather" and json.loads(call.arguments) == {"city": "Oslo"}
+    assert _stream('{"city": "Oslo"}', named, [3, 7])[1][0][1:] == ("get_weather", '{"city": "Oslo"}')
+    required = ToolMode("required", NAMES, parallel=True)
+    text = '[{"name": "get_time", "arguments": {}}, {"name": "get_weather", "arguments": {"city": "A"}}]'
+    assert [c.name for c in parse_reply(text, required)[1]] == ["get_time", "get_weather"]
+    assert [n for _, n, _ in _stream(text, required, [5, 50])[1]] == ["get_time", "get_weather"]
+    assert parse_reply('[{"name": "get_ti', required) == ('[{"name": "get_ti', [])  # cut by max_tokens
+
+
+def _req(**extra) -> ChatCompletionRequest:
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], **extra}
+    return ChatCompletionRequest.model_validate(body)
+
+
+ITEM = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+LISTING = {"type": "object", "properties": {"items": {"type": "array", "items": {"$ref": "#/$defs/Item"}}},
+           "required": ["items"], "$defs": {"Item": ITEM}}
+TOOLS = [{"type": "function", "function": {"name": "add", "parameters": LISTING}},
+         {"type": "function", "function": {"name": "get_time"}}]
+
+
+def test_forcing_schema_keeps_each_tools_references():
+    req = _req(tools=TOOLS, tool_choice="required")
+    schema = forcing_schema(req, tool_mode(req))
+    ok = [{"name": "add", "arguments": {"items": [{"n": 1}]}}, {"name": "get_time", "arguments": {}}]
+    assert jsonschema_rs.is_valid(schema, ok)
+    assert not jsonschema_rs.is_valid(schema, [{"name": "add", "arguments": {"items": [{"n": "x"}]}}])
+    assert not jsonschema_rs.is_valid(schema, [])
+    req = _req(tools=TOOLS, tool_choice="required", parallel_tool_calls=False)
+    assert jsonschema_rs.is_valid(forcing_schema(req, tool_mode(req)), ok[1])
+    req = _req(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "add"}})
+    assert forcing_schema(req, tool_mode(req)) == LISTING
+
+
+def test_fallback_rendering_of_tools_and_tool_turns(tiny_model_dir):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    plain = _req()
+    assert template_input(tokenizer, plain) == ([{"role": "user", "content": "hi"}], {})
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}
+    req = _req(tools=TOOLS, messages=[
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "time?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "noon"}])
+    messages, extra = template_input(tokenizer, req)
+    assert extra == {} and [m["role"] for m in messages] == ["system", "user", "assistant", "user"]
+    assert messages[0]["content"].startswith("Be brief.\n\nYou can call functions.")
+    assert '{"name":"add"' in messages[0]["content"]
+    assert messages[2]["content"] == '<tool_call>{"name":"get_time","arguments":{}}</tool_call>'
+    assert messages[3]["content"] == '<tool_response>{"name":"get_time","content":"noon"}</tool_response>'
+    none = _req(tools=TOOLS, tool_choice="none")
+    assert template_input(tokenizer, none) == template_input(tokenizer, plain)
