@@ -61,6 +61,20 @@ def bench_determinism(
     run_determinism_bench(num_requests=num_requests, out=out, modes=modes.split(","), seed=seed)
 
 
+@bench_app.command("structured")
+def bench_structured(
+    num_requests: int = typer.Option(32, help="Requests in the standard workload, all at once (the batch)"),
+    variants: str = typer.Option("none,json_schema,penalties",
+                                 help="Comma list: none, json_schema, penalties"),
+    out: str = typer.Option("bench-results/structured.json", help="Where to write the JSON results"),
+    seed: int = typer.Option(0),
+) -> None:
+    """Throughput of the standard workload with a JSON schema, or penalties and a logit bias, vs none."""
+    from bench.structured_bench import run_structured_bench
+
+    run_structured_bench(num_requests=num_requests, out=out, variants=variants.split(","), seed=seed)
+
+
 @bench_app.command("chat-tokenize")
 def bench_chat_tokenize(
     turns: int = typer.Option(20, help="Turns of the growing conversation"),
