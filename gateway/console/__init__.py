@@ -9,6 +9,7 @@ from litestar.static_files import create_static_files_router
 from gateway.console.audit import AuditController
 from gateway.console.guard import CONSOLE_PUBLIC, provide_console, requires_console
 from gateway.console.policies import PoliciesController
+from gateway.console.retention import RetentionController
 from gateway.console.signin import SignInController
 from gateway.console.tenants import TenantsController
 from gateway.console.usage import UsageController
@@ -25,7 +26,7 @@ def console_router() -> Router:
     return Router(
         "/admin",
         route_handlers=[SignInController, TenantsController, PoliciesController, UsageController,
-                        AuditController, static],
+                        RetentionController, AuditController, static],
         guards=[requires_console],
         dependencies={"console": Provide(provide_console, sync_to_thread=False)},
         exception_handlers=EXCEPTION_HANDLERS,  # type: ignore[arg-type]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 import sqlite3
+import time
 from collections.abc import Iterator
 from contextlib import ExitStack
 from datetime import UTC, datetime
@@ -253,3 +254,42 @@ def test_sign_out_ends_the_session_even_for_a_kept_cookie(served: Served) -> Non
     assert any(n == "auth.success" and k == token_id and '"/admin/login"' in d for n, _, k, d in rows)
     assert ("admin.tenant_created", token_id) in {(n, a) for n, a, _, _ in rows}
     assert ("admin.console_signed_out", token_id) in {(n, a) for n, a, _, _ in rows}
+
+
+def _retained_ids(client: httpx.Client, tenant_id: str) -> list[str]:
+    """The tenant's record ids on the console's page, once its request's record is written (after the
+    response, so polled)."""
+    deadline = time.monotonic() + 30
+    while True:
+        page = client.get(f"/admin/tenants/{tenant_id}/retention").text
+        found = re.findall(r'/retention/([\w-]+)" class="inline"', page)
+        if found or time.monotonic() > deadline:
+            return found
+        time.sleep(0.2)
+
+
+def test_reading_a_retained_prompt_needs_retention_read_and_a_reason(served: Served) -> None:
+    with served.admin() as admin:
+        policy = {"prompt_retention_days": 1}
+        tenant_id = admin.post("/admin/v1/tenants", json={"name": "kept", "policy": policy}).json()["id"]
+        key = admin.post(f"/admin/v1/tenants/{tenant_id}/keys", json={}).json()["key"]
+        viewer = admin.post("/admin/v1/admin-tokens", json={"name": "v", "scopes": ["admin:read"]}).json()
+    with _openai(served, key) as client:
+        _chat(client)
+    reader, csrf = signed_in(served, served.admin_token)
+    (record_id,) = _retained_ids(reader, tenant_id)
+    url = f"/admin/tenants/{tenant_id}/retention/{record_id}"
+    r = reader.post(url, data={"reason": "", "csrf_token": csrf})
+    assert r.status_code == 400 and "reason" in r.text and "Say hi" not in r.text
+    r = reader.post(url, data={"reason": "support ticket 42", "csrf_token": csrf})
+    assert r.status_code == 200 and "Say hi" in r.text
+    reader.close()
+    looker, looker_csrf = signed_in(served, viewer["token"])
+    listed = looker.get(f"/admin/tenants/{tenant_id}/retention").text
+    assert record_id in listed and 'name="reason"' not in listed  # listed, with no form to read it
+    r = looker.post(url, data={"reason": "curiosity", "csrf_token": looker_csrf})
+    looker.close()
+    assert r.status_code == 403 and "retention:read" in r.text and "Say hi" not in r.text
+    reads = _audit_rows(served, "retention.record_read")
+    token_id = served.admin_token.split("_")[1]
+    assert [(a, '"support ticket 42"' in d) for _, a, _, d in reads] == [(token_id, True)]
