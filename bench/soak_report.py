@@ -12,6 +12,8 @@ from bench.soak_traffic import OUTCOMES
 from bench.workload import percentile
 
 FIRST_MINUTE_S = 60.0
+# Each process's sample field, by the name the summary gives it (``engine``: the server's engine child).
+PROCESSES = {"server": "rss_server_mib", "engine": "rss_children_mib"}
 
 
 def _p(values: list[float]) -> dict[str, float]:
@@ -28,7 +30,8 @@ def _intervals(record: dict) -> list[dict]:
     n = _num_intervals(stopped - began)
     width = (stopped - began) / n
     rows = [{"t_start_s": began + i * width, "t_end_s": began + (i + 1) * width, "outcomes": Counter(),
-             "latencies": [], "num_tokens": 0, "rss": [], "engine_tps": []} for i in range(n)]
+             "latencies": [], "num_tokens": 0, "rss": [], "engine_tps": [],
+             **{key: [] for key in PROCESSES.values()}} for i in range(n)]
 
     def row_at(t: float) -> dict | None:
         i = int((t - began) // width)
@@ -44,27 +47,43 @@ def _intervals(record: dict) -> list[dict]:
     for s in record["samples"]:
         if (row := row_at(s["t"])) is not None:
             row["rss"].append(s["rss_mib"])
+            for key in PROCESSES.values():
+                row[key].append(s[key])
             row["engine_tps"].append(s["engine_tokens_per_s"])
     return [{"t_start_s": r["t_start_s"], "t_end_s": r["t_end_s"],
              "outcomes": {k: r["outcomes"][k] for k in OUTCOMES},
              "latency_p99_s": percentile(r["latencies"], 99),
              "tokens_per_s": r["num_tokens"] / width,
              "engine_tokens_per_s": statistics.fmean(r["engine_tps"]) if r["engine_tps"] else float("nan"),
-             "rss_mib": max(r["rss"]) if r["rss"] else float("nan")} for r in rows]
+             "rss_mib": max(r["rss"]) if r["rss"] else float("nan"),
+             **{key: max(r[key]) if r[key] else float("nan") for key in PROCESSES.values()}} for r in rows]
+
+
+def _first_last(record: dict, last_from: float, key: str) -> tuple[float, float, float]:
+    """Median of ``key`` over the offered load's first minute (its first third if shorter) and from
+    ``last_from`` to its end, and the growth between them."""
+    began, stopped = record["began_s"], record["stopped_s"]
+    first_end = began + min(FIRST_MINUTE_S, (stopped - began) / 3)
+    first = [s[key] for s in record["samples"] if began <= s["t"] <= first_end]
+    last = [s[key] for s in record["samples"] if last_from <= s["t"] <= stopped]
+    first_mib = statistics.median(first) if first else float("nan")
+    last_mib = statistics.median(last) if last else float("nan")
+    return first_mib, last_mib, last_mib / first_mib - 1 if first and last else float("nan")
 
 
 def _rss(record: dict, intervals: list[dict], limit: float) -> dict:
-    """First minute of the offered load (its first third if shorter) against its last interval."""
-    began, stopped = record["began_s"], record["stopped_s"]
-    first_end = began + min(FIRST_MINUTE_S, (stopped - began) / 3)
-    first = [s["rss_mib"] for s in record["samples"] if began <= s["t"] <= first_end]
-    last = [s["rss_mib"] for s in record["samples"] if intervals[-1]["t_start_s"] <= s["t"] <= stopped]
+    """First minute of the offered load against its last interval: both processes together (what the
+    limit applies to), and each on its own (``server``: the gateway; ``engine``: its engine child)."""
+    last_from = intervals[-1]["t_start_s"]
+    first_mib, last_mib, growth = _first_last(record, last_from, "rss_mib")
     all_rss = [s["rss_mib"] for s in record["samples"]]
-    first_mib = statistics.median(first) if first else float("nan")
-    last_mib = statistics.median(last) if last else float("nan")
-    growth = last_mib / first_mib - 1 if first and last else float("nan")
-    return {"first_minute_mib": first_mib, "last_interval_mib": last_mib, "growth": growth, "limit": limit,
-            "peak_mib": max(all_rss) if all_rss else float("nan"), "num_samples": len(all_rss)}
+    out = {"first_minute_mib": first_mib, "last_interval_mib": last_mib, "growth": growth, "limit": limit,
+           "peak_mib": max(all_rss) if all_rss else float("nan"), "num_samples": len(all_rss)}
+    for name, key in PROCESSES.items():
+        first, last, grew = _first_last(record, last_from, key)
+        out[name] = {"first_minute_mib": first, "last_interval_mib": last, "growth": grew,
+                     "peak_mib": max((s[key] for s in record["samples"]), default=float("nan"))}
+    return out
 
 
 def _retry_after(results: list[dict]) -> dict[str, dict]:
@@ -93,7 +112,8 @@ def _failures(record: dict, num_errors: int, rss: dict, retry_after: dict) -> li
     if num_errors:
         reasons.append(f"{num_errors} requests ended in errors")
     if not rss["growth"] <= rss["limit"]:  # NaN (too few samples) fails too
-        reasons.append(f"RSS grew {rss['growth']:.0%} (limit {rss['limit']:.0%})")
+        each = ", ".join(f"{name} {rss[name]['growth']:+.0%}" for name in PROCESSES)
+        reasons.append(f"RSS grew {rss['growth']:.0%} (limit {rss['limit']:.0%}; {each})")
     if any(v["num_valid"] < v["n"] for v in retry_after.values()):
         reasons.append("refusals without a whole-second Retry-After in 1..60")
     if not record["drained_after"]:
@@ -147,15 +167,20 @@ def format_table(summary: dict) -> str:
             f"{k}: {v['num_valid']} of {v['n']} whole seconds in 1..60"
             + (f" ({v['min']}..{v['max']} s)" if v["num_valid"] else "")
             for k, v in summary["retry_after_s"].items()),
+        "RSS by process, first minute / last interval: " + "; ".join(
+            f"{name} {rss[name]['first_minute_mib']:.0f} / {rss[name]['last_interval_mib']:.0f} MiB "
+            f"({rss[name]['growth']:+.1%}, peak {rss[name]['peak_mib']:.0f})" for name in PROCESSES),
         "",
-        "| from s | ok | 429 | 503 | aborted | errors | latency p99 | tokens/s | engine tok/s | RSS MiB |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| from s | ok | 429 | 503 | aborted | errors | latency p99 | tokens/s | engine tok/s | RSS MiB "
+        "| server MiB | engine MiB |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in summary["intervals"]:
         c = row["outcomes"]
         lines.append(f"| {row['t_start_s']:.0f} | {c['ok']} | {c['429']} | {c['503']} | {c['aborted']} "
                      f"| {c['error']} | {row['latency_p99_s']:.2f} s | {row['tokens_per_s']:.1f} "
-                     f"| {row['engine_tokens_per_s']:.1f} | {row['rss_mib']:.0f} |")
+                     f"| {row['engine_tokens_per_s']:.1f} | {row['rss_mib']:.0f} "
+                     f"| {row['rss_server_mib']:.0f} | {row['rss_children_mib']:.0f} |")
     return "\n".join(lines)
 
 
@@ -171,10 +196,12 @@ def plot(record: dict, summary: dict, path: Path) -> bool:
     samples = record["samples"]
     fig, (top, bottom) = plt.subplots(2, 1, sharex=True, figsize=(10, 7))
     t = [s["t"] for s in samples]
-    top.plot(t, [s["rss_mib"] for s in samples], label="server + engine")
-    top.plot(t, [s["rss_server_mib"] for s in samples], label="server", linestyle="--")
-    top.plot(t, [s["rss_children_mib"] for s in samples], label="engine child", linestyle=":")
     rss = summary["rss"]
+    top.plot(t, [s["rss_mib"] for s in samples], label=f"server + engine ({rss['growth']:+.0%})")
+    top.plot(t, [s["rss_server_mib"] for s in samples], label=f"server ({rss['server']['growth']:+.0%})",
+             linestyle="--")
+    top.plot(t, [s["rss_children_mib"] for s in samples],
+             label=f"engine child ({rss['engine']['growth']:+.0%})", linestyle=":")
     top.axhline(rss["first_minute_mib"] * (1 + rss["limit"]), color="C3", linestyle="-.", linewidth=1,
                 label=f"fail above (first minute +{rss['limit']:.0%})")
     top.set_ylabel("RSS (MiB)")

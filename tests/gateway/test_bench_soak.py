@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from bench.soak_report import summarize
+from bench.soak_report import format_table, summarize
 from bench.soak_traffic import OUTCOMES, refusal_outcome
 from gateway.cli import app
 
@@ -52,8 +52,9 @@ def test_a_short_timed_soak_accounts_for_every_request(tmp_path: Path, tiny_mode
 
 
 def _record(results: list[dict], rss: list[float], *, drained: bool = True) -> dict:
-    """A run offered from 10 s to 130 s, sampled every 10 s from 0 s."""
-    samples = [{"t": 10.0 * i, "rss_mib": v, "rss_server_mib": v / 2, "rss_children_mib": v / 2,
+    """A run offered from 10 s to 130 s, sampled every 10 s from 0 s; the server's RSS stays at 50 MiB,
+    its engine child's is the rest."""
+    samples = [{"t": 10.0 * i, "rss_mib": v, "rss_server_mib": 50.0, "rss_children_mib": v - 50.0,
                 "admitted": 0.0, "running": 0.0, "waiting": 0.0, "engine_tokens_per_s": 5.0}
                for i, v in enumerate(rss)]
     return {"config": {"rss_growth_limit": 0.2, "overload": 1.0, "minutes": 2.0}, "began_s": 10.0,
@@ -78,8 +79,12 @@ def test_the_verdict_names_errors_memory_growth_bad_retry_after_and_held_places(
 
     errors = [*clean, _result(60.0, "error", "http 500 None"), _result(61.0, "503", "engine_overloaded", "0")]
     growing = flat[:8] + [130.0] * 7  # the last interval 30% above the first minute
-    reasons = summarize(_record(errors, growing, drained=False))["verdict"]["reasons"]
-    assert reasons == ["1 requests ended in errors", "RSS grew 30% (limit 20%)",
+    grown = summarize(_record(errors, growing, drained=False))
+    assert grown["rss"]["server"]["growth"] == 0.0 and grown["rss"]["engine"]["growth"] == pytest.approx(0.6)
+    assert max(row["rss_children_mib"] for row in grown["intervals"] if row["rss_children_mib"] > 0) == 80.0
+    assert "server 50 / 50 MiB (+0.0%, peak 50); engine 50 / 80 MiB (+60.0%, peak 80)" in format_table(grown)
+    reasons = grown["verdict"]["reasons"]
+    assert reasons == ["1 requests ended in errors", "RSS grew 30% (limit 20%; server +0%, engine +60%)",
                        "refusals without a whole-second Retry-After in 1..60",
                        "requests still held places after the drain"]
 
