@@ -22,6 +22,8 @@ class EngineStats:
     num_steps: int
     tokens_per_second: float          # generated tokens/s over the last ~10 s of steps
     batched_tokens_per_second: float  # all tokens run through the model, same window
+    num_failed_steps: int = 0  # steps that failed requests by a fault (the engine served on)
+    num_failed_requests: int = 0  # requests those steps failed
     namespaces: dict[bytes, dict[str, int]] = field(default_factory=dict)
     # per busy tenant under the ``fair`` policy: waiting and running sequences, KV blocks held
     tenants: dict[bytes, dict[str, int]] = field(default_factory=dict)
@@ -37,6 +39,13 @@ class StatsTracker:
         self._recent: deque[tuple[float, int, int, float]] = deque()  # (t, batched, generated, secs)
         self._batched = 0    # sums over _recent
         self._generated = 0
+        self.num_failed_steps = 0
+        self.num_failed_requests = 0
+
+    def record_failed_step(self, num_requests: int) -> None:
+        """A step that failed ``num_requests`` requests by a fault (``engine.step_guard``)."""
+        self.num_failed_steps += 1
+        self.num_failed_requests += num_requests
 
     def record_step(self, num_batched: int, num_generated: int, seconds: float) -> None:
         self.num_steps += 1
@@ -66,5 +75,6 @@ class StatsTracker:
             prefix_cache_hit_tokens=totals.cached_tokens, prompt_tokens_computed=totals.computed_tokens,
             num_steps=self.num_steps,
             tokens_per_second=self._generated / span if span > 0 else 0.0,
-            batched_tokens_per_second=self._batched / span if span > 0 else 0.0, namespaces=ns,
-            tenants=scheduler.tenant_stats())
+            batched_tokens_per_second=self._batched / span if span > 0 else 0.0,
+            num_failed_steps=self.num_failed_steps, num_failed_requests=self.num_failed_requests,
+            namespaces=ns, tenants=scheduler.tenant_stats())

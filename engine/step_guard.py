@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from engine.errors import StepError
+from engine.errors import RequestFailedError, StepError
 from engine.request import RequestDelta
 
 if TYPE_CHECKING:
@@ -32,6 +32,10 @@ class StepGuard:
         try:
             deltas = self.engine.step_deltas()
         except StepError as e:
+            # a fault's requests only: a request's own bad input (a grammar that fails to compile) is none
+            num_faulted = sum(isinstance(err, RequestFailedError) for err in e.failed.values())
+            if num_faulted:
+                self.engine.stats_tracker.record_failed_step(num_faulted)
             self.num_failed_steps = self.num_failed_steps + 1 if e.is_total else 0
             if self.num_failed_steps >= MAX_FAILED_STEPS:
                 raise RuntimeError(f"{MAX_FAILED_STEPS} engine steps in a row failed every request "

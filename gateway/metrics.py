@@ -6,7 +6,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -42,6 +42,12 @@ class _EngineCollector(Collector):
             "Tokens generated per second over the last ~10 s of engine steps",
             value=getattr(s, "tokens_per_second", 0.0),
         )
+        yield CounterMetricFamily(
+            "kvgate_engine_failed_steps", "Engine steps that failed requests by a fault while the engine "
+            "served on (since its process started)", value=getattr(s, "num_failed_steps", 0))
+        yield CounterMetricFamily(
+            "kvgate_engine_failed_requests", "Requests those steps failed (each a 503 engine_unavailable)",
+            value=getattr(s, "num_failed_requests", 0))
         yield from _tenant_gauges(getattr(s, "tenants", {}))
 
 

@@ -36,5 +36,8 @@ async def test_a_request_the_engine_fails_is_a_503_and_the_engine_serves_on(tmp_
             later = await gw.client.post("/v1/completions", headers=auth, json=base | {"prompt": "a b c"})
             assert later.status_code == 200 and later.json()["usage"]["completion_tokens"] == 8
             assert engine.stats().num_kv_blocks_used == 0 and engine.num_restarts == 0
+            metrics = (await gw.client.get("/metrics", headers=gw.admin())).text
+            assert "kvgate_engine_failed_requests_total 2.0" in metrics  # the two, not the one served
+            assert "kvgate_engine_failed_steps_total 2.0" in metrics  # each failed alone, in its own step
     finally:
         engine.shutdown()
