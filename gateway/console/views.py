@@ -13,6 +13,7 @@ from litestar.exceptions import HTTPException
 from litestar.response import Redirect
 
 from gateway.errors import GatewayError
+from gateway.errors import exception_handlers as api_handlers
 
 HERE = Path(__file__).parent
 STATIC_DIR = HERE / "static"
@@ -80,8 +81,11 @@ def on_not_signed_in(request: Request, _: NotSignedIn) -> Response:
 
 
 def on_gateway_error(request: Request, exc: GatewayError) -> Response:
-    """A service's refusal (404, 403, 409, ...) as a page; 5xx keep the message the API would give."""
-    return page("error.html", exc.status_code, status=exc.status_code, message=exc.message,
+    """A service's refusal (404, 403, 409, ...) as a page; 5xx keep the message the API would give and
+    are logged as the API logs them."""
+    if exc.status_code >= 500:
+        api_handlers[GatewayError](request, exc)
+    return page("error.html", exc.status_code, exc.headers, status=exc.status_code, message=exc.message,
                 **_signed_in_context(request))
 
 
@@ -90,5 +94,17 @@ def on_http_error(request: Request, exc: HTTPException) -> Response:
                 **_signed_in_context(request))
 
 
+def on_server_error(request: Request, exc: Exception) -> Response:
+    """The API's handler logs it and picks the status (503 for an unavailable database or audit trail,
+    else 500); the console shows that status as a page, without the exception's text."""
+    handler = next(api_handlers[cls] for cls in type(exc).__mro__ if cls in api_handlers)
+    answer = handler(request, exc)
+    retry = answer.headers.get("retry-after")
+    message = ("The database or the audit trail is unavailable; nothing was changed. Try again shortly."
+               if answer.status_code == 503 else "Internal server error.")
+    return page("error.html", answer.status_code, {"retry-after": retry} if retry else None,
+                status=answer.status_code, message=message, **_signed_in_context(request))
+
+
 EXCEPTION_HANDLERS = {NotSignedIn: on_not_signed_in, GatewayError: on_gateway_error,
-                      HTTPException: on_http_error}
+                      HTTPException: on_http_error, Exception: on_server_error}

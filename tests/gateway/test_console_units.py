@@ -7,11 +7,16 @@ import time
 from datetime import UTC, datetime, timedelta
 
 import pytest
+from litestar import Litestar, Router, get
+from litestar.testing import TestClient
 
+from gateway.audit_hook import AuditUnavailableError
 from gateway.console import charts, session
 from gateway.console.forms import FormErrors, validate
 from gateway.console.policies import diff
 from gateway.console.session import SessionSigner
+from gateway.console.views import EXCEPTION_HANDLERS
+from gateway.errors import Conflict
 from gateway.schemas.admin import KeyCreate, PolicyOut, UsageRow
 from gateway.secrets import Hasher
 from gateway.services.keys import Principal
@@ -104,3 +109,24 @@ def test_form_validation_reports_every_error_by_field() -> None:
     with pytest.raises(FormErrors) as e:
         validate(KeyCreate, {"name": "x" * 200, "expires_in_seconds": 0})
     assert {field for field, _ in e.value.errors} == {"name", "expires_in_seconds"}
+
+
+def _raises(exc: Exception):
+    @get("/boom", sync_to_thread=False)
+    def boom() -> None:
+        raise exc
+
+    return boom
+
+
+@pytest.mark.parametrize(("exc", "status", "text"), [
+    (AuditUnavailableError("admin.tenant_created"), 503, "audit trail is unavailable"),
+    (RuntimeError("secret detail"), 500, "Internal server error"),
+    (Conflict("Policy is at version 2, not 1.", code="version_conflict"), 409, "Policy is at version 2"),
+])
+def test_errors_are_pages_with_the_apis_status_and_never_an_exceptions_text(exc, status, text) -> None:
+    router = Router("/admin", route_handlers=[_raises(exc)], exception_handlers=EXCEPTION_HANDLERS)
+    with TestClient(Litestar([router], logging_config=None)) as client:
+        r = client.get("/admin/boom")
+    assert r.status_code == status and r.headers["content-type"].startswith("text/html")
+    assert text in r.text and "secret detail" not in r.text and r.headers["x-frame-options"] == "DENY"
