@@ -38,6 +38,7 @@ def browser_page(downloads: Path) -> Iterator[Any]:
         try:
             context = browser.new_context(ignore_https_errors=True, accept_downloads=True,
                                           viewport={"width": 1200, "height": 900})
+            context.grant_permissions(["clipboard-read", "clipboard-write"])
             page = context.new_page()
             page.set_default_timeout(15_000)
             yield page

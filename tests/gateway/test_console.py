@@ -95,6 +95,8 @@ def _tenant_and_keys(page: Page, served: Served, stack: ExitStack) -> tuple[str,
     assert old_key.startswith("kvg_")
     page.click("text=Rotate")
     key = page.inner_text("#new-key").strip()
+    page.click("button.copy")  # console.js, loaded under the CSP that allows no inline script
+    assert page.evaluate("navigator.clipboard.readText()") == key
     assert key.startswith("kvg_") and key != old_key and "rotated to" in page.inner_text("table")
     _chat(stack.enter_context(_openai(served, old_key)))  # within the overlap
     page.locator("tr", has_text=old_key.split("_")[1]).locator("text=Revoke").click()
@@ -161,6 +163,8 @@ def test_console_in_a_browser(served: Served, tmp_path: Path) -> None:
     with ExitStack() as stack:
         page = stack.enter_context(browser_page(tmp_path))
         page.on("dialog", lambda dialog: dialog.accept())  # the confirmations of revoke and disable
+        console_messages: list[str] = []
+        page.on("console", lambda message: console_messages.append(message.text))
 
         def shot(name: str) -> None:
             page.screenshot(path=str(shots / f"{name}.png"), full_page=True)
@@ -174,6 +178,8 @@ def test_console_in_a_browser(served: Served, tmp_path: Path) -> None:
         shot("03-policy-history")
         page.goto(f"{served.base}/admin/engine")
         assert "/ 64" in page.inner_text("#kv-used")
+        as_of = page.inner_text("#live .hint")
+        page.wait_for_function("text => document.querySelector('#live .hint').innerText !== text", arg=as_of)
         shot("04-engine")
         _audit_export_verifies(page, served, tenant_id, tmp_path)
         shot("05-audit")
@@ -183,6 +189,7 @@ def test_console_in_a_browser(served: Served, tmp_path: Path) -> None:
         assert page.url.endswith("/admin/login")
         shot("06-signed-out")
     assert len(list(shots.glob("*.png"))) == 6
+    assert not [m for m in console_messages if "Content Security Policy" in m], console_messages
 
 
 def test_changes_need_the_session_cookie_and_its_csrf_token(served: Served) -> None:
