@@ -80,8 +80,10 @@ class UsageController(Controller):
 
     @get("/tenants/{tenant_id:str}/usage/csv", opt={CONSOLE_SCOPE: ADMIN_READ})
     async def usage_csv(self, session: AsyncSession, tenant_id: str, window: str = "day") -> Response:
-        """All settled usage of the tenant per minute, day or month, as the API's CSV."""
-        rows = await usage.usage_report(session, tenant_id, window, None, None)
+        """Settled usage of the tenant per minute (the last 48 hours, as the hourly chart), day or month
+        (all), as the API's CSV."""
+        since = datetime.now(UTC) - timedelta(hours=48) if window == "minute" else None
+        rows = await usage.usage_report(session, tenant_id, window, since, None)
         name = f"kvgate-usage-{tenant_id}-{window}.csv"
         return Response(usage.to_csv(rows), media_type="text/csv", headers=SECURITY_HEADERS | {
             "content-disposition": f'attachment; filename="{name}"'})

@@ -226,6 +226,10 @@ def test_a_read_only_token_sees_but_cannot_change_and_revoking_it_ends_the_sessi
     assert r.status_code == 403 and "policy:write" in r.text
     assert client.post(f"/admin/tenants/{tenant_id}/disable", data={"csrf_token": csrf}).status_code == 403
     assert client.get("/admin/audit").status_code == 403  # audit:export
+    csv = client.get(f"/admin/tenants/{tenant_id}/usage/csv", params={"window": "minute"})
+    assert csv.status_code == 200 and csv.text.startswith("tenant_id,window,window_start,num_requests")
+    assert client.get(f"/admin/tenants/{tenant_id}/usage/csv", params={"window": "week"}).status_code == 400
+    assert client.get(f"/admin/tenants/{tenant_id}/usage", params={"window": "week"}).status_code == 400
     with served.admin() as admin:
         assert admin.get(f"/admin/v1/tenants/{tenant_id}/policy").json()["version"] == 1
         assert not admin.get(f"/admin/v1/tenants/{tenant_id}").json()["is_disabled"]
