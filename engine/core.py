@@ -122,8 +122,7 @@ class LLMEngine:
             self.scheduler.add(seq, leader=seqs[0] if i else None, share=share)
 
     def _admit_compiled(self, failed: dict[str, BaseException]) -> None:
-        """Schedule the requests whose grammar compiled since the last step (they arrive now, as far as
-        a replay is concerned); the ones whose compile failed or timed out go into ``failed``."""
+        """Schedule requests whose grammar is ready (arriving now, for a replay); failures into ``failed``."""
         ready, errors = self.grammars.poll()
         for seqs, share in ready:
             self.requests[seqs[0].request_id].arrival_step = self.num_steps
@@ -264,7 +263,9 @@ class LLMEngine:
     def _fail(self, failed: dict[str, BaseException]) -> dict[str, BaseException]:
         """End the requests a step failed, freeing their blocks; the error each one's caller gets."""
         for request_id, e in failed.items():
-            logger.error("an engine step failed request %s", request_id, exc_info=e)
+            is_own = isinstance(e, InvalidRequestError)  # the request's fault: a grammar that cannot compile
+            logger.log(logging.INFO if is_own else logging.ERROR, "an engine step failed request %s: %s",
+                       request_id, e, exc_info=None if is_own else e)
             self._drop(request_id)
             self._accumulators.pop(request_id, None)
         return {rid: e if isinstance(e, InvalidRequestError) else RequestFailedError(

@@ -97,7 +97,7 @@ def test_max_tokens_cuts_a_grammar_with_length(engine):
 @pytest.mark.parametrize("spec", [
     dict(json_schema='{"type": "objectx"}'), dict(json_schema='{"$ref": "#/$defs/missing"}'),
     dict(regex="(unclosed"), dict(grammar="start: undefined_rule"), dict(grammar="root ::= [")])
-def test_specs_that_cannot_compile_raise(spec, engine):
+def test_specs_that_cannot_compile_raise(spec, engine, caplog):
     structured = StructuredOutput(**spec, cache_key="compile-errors")
     with pytest.raises(StructuredOutputError, match="cannot be compiled"):
         check_structured(structured, engine.tokenizer)
@@ -107,6 +107,7 @@ def test_specs_that_cannot_compile_raise(spec, engine):
         while engine.has_unfinished():
             engine.step()
     assert isinstance(info.value.failed[request_id], StructuredOutputError) and not info.value.is_total
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]  # the request's fault, not the engine's
     assert request_id not in engine.requests
     with pytest.raises(StructuredOutputError):
         engine.add_request([1, 2, 3], SamplingParams(structured=structured))
@@ -177,3 +178,17 @@ def test_default_model_writes_valid_json_for_free_form_schemas(default_model_dir
     for schema, out in zip(schemas, outs, strict=True):
         assert out.finish_reason == "stop", out.text
         jsonschema.validate(json.loads(out.text), schema)
+
+
+def test_a_grammar_not_ready_by_its_deadline_fails_the_request(engine, monkeypatch):
+    # A fresh compiler builds its token trie first (~0.4 s): far past a 50 ms deadline.
+    from engine.grammar_queue import GrammarQueue
+
+    slow = GrammarCompiler(engine.tokenizer, vocab_size=49152, eos_token_ids=(2,), timeout_s=0.05)
+    monkeypatch.setattr(engine, "grammars", GrammarQueue(slow))
+    request_id = engine.add_request([1, 2, 3], SamplingParams(structured=StructuredOutput(regex="[0-9]+")))
+    with pytest.raises(StepError) as info:
+        while engine.has_unfinished():
+            engine.step()
+    assert "did not compile within" in str(info.value.failed[request_id])
+    assert not engine.has_unfinished() and len(engine.grammars) == 0
