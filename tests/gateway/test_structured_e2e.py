@@ -10,7 +10,7 @@ import json
 import random
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import openai
 import pytest
@@ -44,14 +44,14 @@ class Point(BaseModel):
     y: int = Field(ge=-9, le=9)
 
 
-# (type, Field, most tokens its JSON value takes): short values, so that max_tokens can be small.
+# (type, Field, about the most tokens its JSON value takes): short values, so that the replies are short.
 FIELD_KINDS: list[tuple[Any, Any, int]] = [
     (str, Field(max_length=8), 10),
     (int, Field(ge=0, le=100), 3),
     (bool, Field(), 2),
     (Literal["small", "medium", "large"], Field(), 3),
     (Color, Field(), 3),
-    (list[int], Field(max_length=3), 10),
+    (list[Annotated[int, Field(ge=0, le=99)]], Field(max_length=3), 10),
     (str | None, Field(max_length=5), 7),
     (Point, Field(), 14),
     (list[Literal["a", "b", "c"]], Field(max_length=2), 8),
@@ -73,7 +73,9 @@ def corpus() -> list[tuple[type[BaseModel], int]]:
             continue
         seen.add(key)
         fields = {name: FIELD_KINDS[k][:2] for name, k in key}
-        budget = 4 + sum(FIELD_KINDS[k][2] + 6 for k in kinds)  # each key, its quotes and separators
+        # Each value, its key, quotes and separators, twice over: the grammar ends the reply, so unused
+        # room costs nothing, while a reply cut short would fail.
+        budget = 8 + 2 * sum(FIELD_KINDS[k][2] + 6 for k in kinds)
         models.append((create_model(f"Thing{len(models)}", **fields), budget))
     return models
 

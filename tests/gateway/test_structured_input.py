@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from policies import Policy
 from tests.gateway.conftest import tenant_events
@@ -152,3 +154,30 @@ async def test_allowed_features_pass_and_are_audited_by_name_only(gw, sqlite_url
     assert admitted[0]["features"] == ["json_schema", "tools", "logit_bias", "penalties"]
     assert admitted[1]["features"] == ["choice"]
     assert secret not in json.dumps(events)
+
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-5, 5) | st.floats(allow_nan=False, allow_infinity=False)
+    | st.sampled_from(["object", "string", "integer", "array", "#/$defs/x", "^a+$", "root ::= \"a\""]),
+    lambda c: st.lists(c, max_size=3) | st.dictionaries(
+        st.sampled_from(["type", "properties", "items", "required", "enum", "$ref", "anyOf", "pattern",
+                         "minimum", "maxLength", "additionalProperties", "name", "x"]), c, max_size=4),
+    max_leaves=10,
+)
+_FIELDS = st.sampled_from([
+    lambda v: _fmt(v), lambda v: {"guided_json": v}, lambda v: {"guided_regex": v},
+    lambda v: {"guided_grammar": v}, lambda v: {"guided_choice": v}, lambda v: {"logit_bias": v},
+    lambda v: {"tools": [{"type": "function", "function": {"name": "f", "parameters": v}}]},
+    lambda v: {"tools": [TOOL], "tool_choice": v}, lambda v: {"response_format": v},
+])
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
+@given(field=_FIELDS, value=_JSON)
+async def test_fuzzed_constraints_are_never_a_500(ctx, field, value):
+    gw, h, model = ctx
+    r = await gw.client.post("/v1/chat/completions", headers=h,
+                             json={"model": model, "messages": MSG, "max_tokens": 2} | field(value))
+    assert r.status_code in (200, 400), r.text
+    if r.status_code == 400:
+        assert r.json()["error"]["param"], r.text

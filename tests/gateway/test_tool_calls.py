@@ -123,3 +123,29 @@ def test_fallback_rendering_of_tools_and_tool_turns(tiny_model_dir):
     assert messages[3]["content"] == '<tool_response>{"name":"get_time","content":"noon"}</tool_response>'
     none = _req(tools=TOOLS, tool_choice="none")
     assert template_input(tokenizer, none) == template_input(tokenizer, plain)
+
+
+# A template with a tools section, in the shape of Hermes/Qwen templates: tools listed in the system
+# turn, calls and results rendered from the messages' own fields.
+NATIVE_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n{% for t in tools %}{{ t.function.name }};{% endfor %}<|im_end|>\n"
+    "{% endif %}{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+    "{% for c in m.tool_calls or [] %}<tool_call>{{ c.function.name }}:{{ c.function.arguments.city }}"
+    "</tool_call>{% endfor %}{% if m.tool_call_id %}[{{ m.tool_call_id }}]{% endif %}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_a_template_with_a_tools_section_renders_them_itself(tiny_model_dir):
+    from gateway.services.prompt_tokens import chat_token_ids
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tokenizer.chat_template = NATIVE_TEMPLATE
+    call = {"id": "call_9", "type": "function", "function": {"name": "add", "arguments": '{"city": "Rome"}'}}
+    req = _req(tools=TOOLS, messages=[
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_9", "content": "done"}])
+    text = tokenizer.decode(chat_token_ids(tokenizer, req))
+    assert text.startswith("<|im_start|>system\nadd;get_time;<|im_end|>")
+    assert "<tool_call>add:Rome</tool_call>" in text and "done[call_9]" in text
+    assert "You can call functions" not in text
