@@ -25,12 +25,16 @@ class StreamItem:
 def run_stream(engine: LLMEngine, items: Iterable[StreamItem]) -> dict[str, RequestOutput]:
     """Run ``items`` to completion, adding each when the engine has run ``item.step`` steps since the
     call began. The scheduler decides from queue state alone (no clocks), so with ``fixed`` mode's
-    deterministic kernels and thread count, two runs of one stream produce the same bits.
+    deterministic kernels and thread count, two runs of one stream produce the same bits. Grammars are
+    compiled before the first step: a structured request's recorded step is when its grammar was ready.
 
     Returns:
         The final output of every request, by request id.
     """
     pending = sorted(items, key=lambda it: it.step)  # stable: equal steps keep their recorded order
+    for it in pending:  # compiled first, so that each is admitted at its step, as when it was recorded
+        if it.params.structured is not None:
+            engine.grammars.compiler.check(it.params.structured)
     base, i, final = engine.num_steps, 0, {}
     while i < len(pending) or engine.has_unfinished():
         while i < len(pending) and pending[i].step <= engine.num_steps - base:

@@ -192,3 +192,25 @@ def test_a_grammar_not_ready_by_its_deadline_fails_the_request(engine, monkeypat
             engine.step()
     assert "did not compile within" in str(info.value.failed[request_id])
     assert not engine.has_unfinished() and len(engine.grammars) == 0
+
+
+def test_a_fixed_stream_with_grammars_replays_bit_for_bit(tiny_engine_factory):
+    # One engine has every grammar compiled already, the other none: the replay still admits each
+    # structured request at its recorded step in both, so the batches and the bits are the same.
+    from engine.replay import StreamItem, run_stream
+    from tests.engine.determinism_harness import Observation
+
+    def params(i: int) -> SamplingParams:
+        structured = StructuredOutput(json_schema=json.dumps(TINY_SCHEMAS[i % len(TINY_SCHEMAS)]))
+        return SamplingParams(temperature=0.9, seed=i, max_tokens=24, determinism="fixed", logprobs=2,
+                              presence_penalty=0.3, structured=structured if i % 2 else None)
+
+    items = [StreamItem(i // 2, f"r{i}", [100 + i, 200 + i, 300], params(i)) for i in range(6)]
+    engines = [tiny_engine_factory(num_kv_blocks=40, max_num_batched_tokens=48, dtype="float32")
+               for _ in range(2)]
+    for it in items:
+        if it.params.structured is not None:
+            engines[0].grammars.compiler.check(it.params.structured)
+    warm, cold = (run_stream(engine, items) for engine in engines)
+    assert {rid: Observation.of(out) for rid, out in warm.items()} == \
+        {rid: Observation.of(out) for rid, out in cold.items()}
