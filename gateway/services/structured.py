@@ -20,6 +20,9 @@ from gateway.services.tools import ToolMode, forcing_schema, parameters, tool_mo
 from policies import FeatureUse, Policy, check_features
 
 _MAX_MESSAGE_CHARS = 300
+# Given a registry, the metaschema check never retrieves a resource: without one it fetched a schema's
+# ``$schema`` URL, so any client could make the gateway send requests anywhere.
+_NO_RETRIEVAL = jsonschema_rs.Registry([])
 COMPILE_RETRY_AFTER_S = 1
 
 
@@ -77,7 +80,7 @@ def _uses(req: ChatCompletionRequest | CompletionRequest, sources: list) -> list
 def _check_metaschema(schema: Any, param: str) -> None:
     """A schema that is no JSON schema is the caller's 400, named before the grammar library sees it."""
     try:
-        jsonschema_rs.meta.validate(schema)
+        jsonschema_rs.meta.validate(schema, registry=_NO_RETRIEVAL)
     except jsonschema_rs.ValidationError as e:
         raise InvalidRequest(f"The schema is not a valid JSON schema: {_first_line(str(e))}",
                              code="invalid_schema", param=param) from None

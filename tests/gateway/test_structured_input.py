@@ -5,6 +5,8 @@ a request used, never its schema."""
 from __future__ import annotations
 
 import json
+import socket
+import threading
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -80,6 +82,31 @@ BAD_CHAT = [
 
 
 @pytest.fixture
+def listener():
+    """A loopback port that records every connection made to it."""
+    server = socket.create_server(("127.0.0.1", 0))
+    server.settimeout(0.2)
+    hits: list[bytes] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = server.accept()
+            except TimeoutError:
+                continue
+            with conn:
+                hits.append(conn.recv(200))
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.getsockname()[1]}", hits
+    stop.set()
+    thread.join()
+    server.close()
+
+
+@pytest.fixture
 async def ctx(gw):
     _, key = await gw.make_tenant()
     return gw, {"Authorization": f"Bearer {key}"}, gw.runtime.engine.model_name
@@ -100,6 +127,18 @@ async def test_bad_chat_inputs_are_400_naming_the_field(ctx, extra, param, code)
     r = await gw.client.post("/v1/chat/completions", headers=h,
                              json={"model": model, "messages": MSG, "max_tokens": 2} | extra)
     _assert_400(r, param, code)
+
+
+async def test_a_schema_never_makes_the_gateway_fetch_a_url(ctx, listener):
+    """The metaschema check fetched a ``$schema`` URL it did not know (a request to anywhere)."""
+    gw, h, model = ctx
+    url, hits = listener
+    for schema in ({"$schema": f"{url}/meta", "type": "object"}, {"$ref": f"{url}/remote"},
+                   {"type": "object", "properties": {"a": {"$id": f"{url}/id", "$ref": "other"}}}):
+        r = await gw.client.post("/v1/chat/completions", headers=h,
+                                 json={"model": model, "messages": MSG, "max_tokens": 2} | _fmt(schema))
+        _assert_400(r, "response_format.json_schema.schema", "invalid_schema")
+    assert hits == []
 
 
 @pytest.mark.parametrize(("extra", "param"), [
