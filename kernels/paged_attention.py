@@ -178,6 +178,9 @@ def _decode_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
 
 @functools.cache
 def _num_sms(device: torch.device) -> int:
+    """The GPU's SM count; 1 elsewhere (Triton's interpreter on CPU tensors, in tests)."""
+    if device.type != "cuda":
+        return 1
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
