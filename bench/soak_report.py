@@ -12,6 +12,7 @@ from bench.soak_traffic import OUTCOMES
 from bench.workload import percentile
 
 FIRST_MINUTE_S = 60.0
+MIN_REQUESTS = 20  # fewer offered requests judge nothing (a longer --calibrate-s measures the capacity)
 # Each process's sample field, by the name the summary gives it (``engine``: the server's engine child).
 PROCESSES = {"server": "rss_server_mib", "engine": "rss_children_mib"}
 
@@ -109,6 +110,10 @@ def _tokens_per_s(record: dict) -> float:
 def _failures(record: dict, num_errors: int, rss: dict, retry_after: dict) -> list[str]:
     """Why the run failed; none: clean."""
     reasons = []
+    num_offered = len(record["results"])
+    if num_offered < MIN_REQUESTS:  # a capacity measured near zero offers next to nothing
+        reasons.append(f"only {num_offered} requests offered, too few to judge (capacity measured: "
+                       f"{record['capacity_tokens_per_s']:.1f} tokens/s)")
     if num_errors:
         reasons.append(f"{num_errors} requests ended in errors")
     if not rss["growth"] <= rss["limit"]:  # NaN (too few samples) fails too

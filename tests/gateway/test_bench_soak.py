@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from bench.soak_report import format_table, summarize
+from bench.soak_report import MIN_REQUESTS, format_table, summarize
 from bench.soak_traffic import OUTCOMES, refusal_outcome
 from gateway.cli import app
 
@@ -72,9 +72,12 @@ def test_the_verdict_names_errors_memory_growth_bad_retry_after_and_held_places(
     flat = [100.0] * 15
     clean = [_result(20.0, "ok"), _result(30.0, "503", "engine_overloaded", "3"),
              _result(40.0, "429", "concurrency_limit", "1"), _result(50.0, "aborted")]
+    clean += [_result(60.0 + i, "ok") for i in range(MIN_REQUESTS - len(clean))]
     summary = summarize(_record(clean, flat))
     assert summary["verdict"] == {"is_clean": True, "reasons": []}
-    assert summary["outcomes"] == {"ok": 1, "429": 1, "503": 1, "aborted": 1, "error": 0}
+    assert summary["outcomes"] == {"ok": MIN_REQUESTS - 3, "429": 1, "503": 1, "aborted": 1, "error": 0}
+    few = summarize(_record(clean[:1], flat))["verdict"]
+    assert few["reasons"] == ["only 1 requests offered, too few to judge (capacity measured: 10.0 tokens/s)"]
     assert summary["retry_after_s"]["503"] == {"n": 1, "num_valid": 1, "min": 3, "max": 3}
 
     errors = [*clean, _result(60.0, "error", "http 500 None"), _result(61.0, "503", "engine_overloaded", "0")]
