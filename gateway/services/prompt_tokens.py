@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 
 from gateway.errors import InvalidRequest, PolicyViolation
 from gateway.schemas.openai import ChatCompletionRequest, CompletionRequest
+from gateway.schemas.openai_tools import schema_bytes
 from gateway.services.ratelimit import exceeded
 from gateway.services.segment_cache import SegmentCache, encode
 from gateway.services.tools import template_input
@@ -105,9 +106,16 @@ def check_prompt_bytes(
         )
 
 
+def _tool_chars(req: ChatCompletionRequest) -> int:
+    """About the text the tools and earlier calls add to a chat's rendered prompt."""
+    defined = sum(schema_bytes(t.function.parameters or {}) + len(t.function.description or "")
+                  for t in req.tools or [])
+    return defined + sum(len(c.function.arguments) for m in req.messages for c in m.tool_calls or [])
+
+
 def _prompt_chars(req: ChatCompletionRequest | CompletionRequest) -> int:
     if isinstance(req, ChatCompletionRequest):
-        return sum(len(m.text()) for m in req.messages)
+        return sum(len(m.text()) for m in req.messages) + _tool_chars(req)
     prompt = req.prompt
     if isinstance(prompt, str):
         return len(prompt)

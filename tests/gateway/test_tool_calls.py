@@ -10,6 +10,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from gateway.schemas.openai import ChatCompletionRequest
+from gateway.services.prompt_tokens import INLINE_TOKENIZE_CHARS, TokenizePool, tokenize
 from gateway.services.tools import ToolMode, forcing_schema, template_input, tool_mode
 from gateway.tool_calls import CallParser, parse_reply
 
@@ -149,3 +150,24 @@ def test_a_template_with_a_tools_section_renders_them_itself(tiny_model_dir):
     assert text.startswith("<|im_start|>system\nadd;get_time;<|im_end|>")
     assert "<tool_call>add:Rome</tool_call>" in text and "done[call_9]" in text
     assert "You can call functions" not in text
+
+
+class _CountingPool(TokenizePool):
+    def __init__(self) -> None:
+        super().__init__(1, 1)
+        self.num_runs = 0
+
+    async def run(self, fn):  # type: ignore[no-untyped-def]
+        self.num_runs += 1
+        return await super().run(fn)
+
+
+async def test_long_tool_definitions_are_tokenized_off_the_event_loop(tiny_model_dir):
+    """A short message with long tools was tokenized on the event loop: only the messages were counted."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    long = {"type": "function", "function": {"name": "f", "description": "d" * (INLINE_TOKENIZE_CHARS + 1)}}
+    pool = _CountingPool()
+    await tokenize(tokenizer, _req(), pool=pool)
+    assert pool.num_runs == 0
+    await tokenize(tokenizer, _req(tools=[long]), pool=pool)
+    assert pool.num_runs == 1
