@@ -48,7 +48,7 @@ class _Extension:
 
 _ROWS = _Extension("kvgate_cpu", _CSRC / "paged_attention_rows.cpp", _CFLAGS)
 _DECODE = _Extension("kvgate_decode", _CSRC / "fused_decode_layers.cpp", _DECODE_CFLAGS,
-                     (_CSRC / "paged_decode_attention.cpp", _CSRC / "decode.h"))
+                     (_CSRC / "paged_decode_attention.cpp", _CSRC / "q4_linear.cpp", _CSRC / "decode.h"))
 _HEAD = _Extension("kvgate_int8", _CSRC / "int8_group_linear.cpp", _DECODE_CFLAGS)
 
 
@@ -218,11 +218,13 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 @dataclass(slots=True)
 class DecodeLayerWeights:
     """What ``fused_decode_layers`` reads of every layer, in layer order: the two RMSNorm weights
-    (bfloat16 [hidden]) and the 4-bit (packed, scales) pairs of qkv, o, gate_up and down."""
+    (bfloat16 [hidden]) and the 4-bit weights (``q4_linear``'s nibbles, scales, mins) of qkv, o, gate_up
+    and down."""
 
     norms: list[torch.Tensor]  # 2 per layer
-    packed: list[torch.Tensor]  # 4 per layer
-    scales_zeros: list[torch.Tensor]  # 4 per layer
+    nibbles: list[torch.Tensor]  # 4 per layer
+    scales: list[torch.Tensor]
+    mins: list[torch.Tensor]
 
 
 def fused_decode_layers(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weights: DecodeLayerWeights,
@@ -250,5 +252,24 @@ def fused_decode_layers(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w
         raise RuntimeError("the fused decode kernel is not loaded: call load_decode_kernel first")
     tables, lens = decode_rows
     return _DECODE.module.fused_decode_layers(
-        x, cos, sin, weights.norms, weights.packed, weights.scales_zeros, [k for k, _ in kv_caches],
+        x, cos, sin, weights.norms, weights.nibbles, weights.scales, weights.mins, [k for k, _ in kv_caches],
         [v for _, v in kv_caches], slot_mapping, tables, lens, *heads, eps, scale)
+
+
+def q4_linear(x: torch.Tensor, nibbles: torch.Tensor, scales: torch.Tensor,
+              mins: torch.Tensor) -> torch.Tensor:
+    """``x @ W.T`` for a 4-bit W (w = q * scale + min per group of 32 inputs), x quantized to int8 per
+    group of 32 (see csrc/q4_linear.cpp).
+
+    Args:
+        x: [M <= 16, K] float32 or bfloat16. nibbles: [N, K / 2] uint8. scales, mins: [N, K / 32] float16.
+
+    Returns:
+        [M, N] in x's dtype.
+
+    Raises:
+        RuntimeError: the kernel is not loaded, or a shape or dtype is wrong.
+    """
+    if _DECODE.module is None:
+        raise RuntimeError("the fused decode kernel is not loaded: call load_decode_kernel first")
+    return _DECODE.module.q4_linear(x, nibbles, scales, mins)

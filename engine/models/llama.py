@@ -141,8 +141,8 @@ class LlamaForCausalLM(nn.Module):
         if self._fused_weights is None:
             self._fused_weights = DecodeLayerWeights(
                 [n for layer in self.layers for n in (layer.input_norm.detach(), layer.post_norm.detach())],
-                [layer.int4[p].packed for layer in self.layers for p in _PROJECTIONS],
-                [layer.int4[p].scales_zeros for layer in self.layers for p in _PROJECTIONS])
+                *([getattr(layer.int4[p], part) for layer in self.layers for p in _PROJECTIONS]
+                  for part in ("nibbles", "scales", "mins")))
         first = self.layers[0]
         heads = (first.num_heads, first.num_kv_heads, first.head_dim)
         return fused_decode_layers(x, cos[:, 0], sin[:, 0], self._fused_weights, kv_caches, meta.slot_mapping,

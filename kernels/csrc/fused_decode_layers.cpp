@@ -2,8 +2,8 @@
 //
 // A one-token step of a small model is bound by dispatch, not arithmetic: each layer is ~35 torch ops
 // (norms, RoPE, casts, residual adds, the KV write) of 1-5 us each around four 4-bit matmuls. Here the
-// elementwise work runs as plain loops over the step's few rows, the matmuls call ATen's int4 kernel
-// directly, and attention calls the fused paged kernel, all without returning to Python.
+// elementwise work runs as plain loops over the step's few rows, the matmuls are q4_linear's (int8 rows
+// against 4-bit weights) and attention is the fused paged kernel, all without returning to Python.
 //
 // Each elementwise op rounds to bfloat16 where torch's bfloat16 op would (RMSNorm's statistics in
 // float32 then the weight product, RoPE's two products and their sum, SiLU then the gate product,
@@ -91,19 +91,24 @@ void silu_mul(const bf16* gate_up, bf16* act, int64_t rows, int64_t inter) {
   }
 }
 
-torch::Tensor int4_mm(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& sz) {
-  return at::_weight_int4pack_mm_for_cpu(x, packed, 32, sz);
-}
+// One projection's 4-bit weight: nibbles, scales, mins.
+struct Q4 {
+  const torch::Tensor *w, *scales, *mins;
+};
+
+torch::Tensor mm(const torch::Tensor& x, const Q4& q) { return q4_linear(x, *q.w, *q.scales, *q.mins); }
 
 void check_inputs(const torch::Tensor& x, const std::vector<torch::Tensor>& norms,
-                  const std::vector<torch::Tensor>& packed, const std::vector<torch::Tensor>& sz,
+                  const std::vector<torch::Tensor>& nibbles, const std::vector<torch::Tensor>& scales,
+                  const std::vector<torch::Tensor>& mins,
                   const std::vector<torch::Tensor>& k_caches, const std::vector<torch::Tensor>& v_caches,
                   const torch::Tensor& slots) {
   const size_t layers = k_caches.size();
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.is_contiguous(),
               "x must be a contiguous [rows, hidden] bfloat16 tensor");
-  TORCH_CHECK(norms.size() == 2 * layers && packed.size() == 4 * layers && sz.size() == 4 * layers &&
-                  v_caches.size() == layers, "two norms, four weights and one K/V cache pair per layer");
+  TORCH_CHECK(norms.size() == 2 * layers && nibbles.size() == 4 * layers && scales.size() == 4 * layers &&
+                  mins.size() == 4 * layers && v_caches.size() == layers,
+              "two norms, four weights and one K/V cache pair per layer");
   TORCH_CHECK(slots.scalar_type() == torch::kInt64 && slots.numel() == x.size(0), "one int64 slot per row");
   for (const auto& n : norms) {
     TORCH_CHECK(n.scalar_type() == torch::kBFloat16 && n.is_contiguous() && n.numel() == x.size(1),
@@ -123,14 +128,14 @@ void store_for(const torch::Tensor& qkv, const torch::Tensor& k_roped, const int
   store<KV>(k_roped.data_ptr<bf16>(), v, width, slots, kc.data_ptr<KV>(), vc.data_ptr<KV>(), s);
 }
 
-// One layer, in place on x ([rows, hidden] bfloat16). w: this layer's four (packed, scales) pairs.
+// One layer, in place on x ([rows, hidden] bfloat16). w: qkv, o, gate_up and down.
 void layer(torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin, const bf16* in_norm,
-           const bf16* post_norm, const torch::Tensor* packed, const torch::Tensor* sz, const torch::Tensor& kc,
+           const bf16* post_norm, const Q4* w, const torch::Tensor& kc,
            const torch::Tensor& vc, const torch::Tensor& slots, const torch::Tensor& tables,
            const torch::Tensor& ctx, const Shape& s) {
   auto h = torch::empty_like(x);
   rms_norm(x.data_ptr<bf16>(), in_norm, h.data_ptr<bf16>(), s);
-  auto qkv = int4_mm(h, packed[0], sz[0]);  // [rows, q + 2 kv]
+  auto qkv = mm(h, w[0]);  // [rows, q + 2 kv]
   const int64_t width = qkv.size(1);
   auto q = torch::empty({s.rows, s.num_heads, s.head_dim}, x.options());
   auto k = torch::empty({s.rows, s.num_kv_heads, s.head_dim}, x.options());
@@ -145,26 +150,27 @@ void layer(torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
     store_for<bf16>(qkv, k, slots.data_ptr<int64_t>(), kc, vc, s);
   }
   auto attn = paged_decode_attention(q, kc, vc, tables, ctx, s.scale).view({s.rows, s.q_width()});
-  auto o = int4_mm(attn, packed[1], sz[1]);
+  auto o = mm(attn, w[1]);
   add_into(x.data_ptr<bf16>(), o.data_ptr<bf16>(), x.numel());
   rms_norm(x.data_ptr<bf16>(), post_norm, h.data_ptr<bf16>(), s);
-  auto gate_up = int4_mm(h, packed[2], sz[2]);
+  auto gate_up = mm(h, w[2]);
   const int64_t inter = gate_up.size(1) / 2;
   auto act = torch::empty({s.rows, inter}, x.options());
   silu_mul(gate_up.data_ptr<bf16>(), act.data_ptr<bf16>(), s.rows, inter);
-  auto down = int4_mm(act, packed[3], sz[3]);
+  auto down = mm(act, w[3]);
   add_into(x.data_ptr<bf16>(), down.data_ptr<bf16>(), x.numel());
 }
 
 }  // namespace
 
 torch::Tensor fused_decode_layers(torch::Tensor x, torch::Tensor cos, torch::Tensor sin,
-                                  std::vector<torch::Tensor> norms, std::vector<torch::Tensor> packed,
-                                  std::vector<torch::Tensor> sz, std::vector<torch::Tensor> k_caches,
+                                  std::vector<torch::Tensor> norms, std::vector<torch::Tensor> nibbles,
+                                  std::vector<torch::Tensor> scales, std::vector<torch::Tensor> mins,
+                                  std::vector<torch::Tensor> k_caches,
                                   std::vector<torch::Tensor> v_caches, torch::Tensor slot_mapping,
                                   torch::Tensor block_tables, torch::Tensor context_lens, int64_t num_heads,
                                   int64_t num_kv_heads, int64_t head_dim, double eps, double scale) {
-  check_inputs(x, norms, packed, sz, k_caches, v_caches, slot_mapping);
+  check_inputs(x, norms, nibbles, scales, mins, k_caches, v_caches, slot_mapping);
   TORCH_CHECK(cos.scalar_type() == torch::kBFloat16 && sin.scalar_type() == torch::kBFloat16 &&
                   cos.numel() == x.size(0) * head_dim && sin.numel() == cos.numel(),
               "cos and sin must be bfloat16 [rows, head_dim]");
@@ -179,8 +185,10 @@ torch::Tensor fused_decode_layers(torch::Tensor x, torch::Tensor cos, torch::Ten
   }
   x = x.clone();
   for (size_t l = 0; l < k_caches.size(); ++l) {
-    layer(x, cos, sin, norms[2 * l].data_ptr<bf16>(), norms[2 * l + 1].data_ptr<bf16>(), &packed[4 * l],
-          &sz[4 * l], k_caches[l], v_caches[l], slot_mapping, block_tables, context_lens, s);
+    Q4 w[4];
+    for (size_t i = 0; i < 4; ++i) w[i] = Q4{&nibbles[4 * l + i], &scales[4 * l + i], &mins[4 * l + i]};
+    layer(x, cos, sin, norms[2 * l].data_ptr<bf16>(), norms[2 * l + 1].data_ptr<bf16>(), w, k_caches[l],
+          v_caches[l], slot_mapping, block_tables, context_lens, s);
   }
   return x;
 }
@@ -190,6 +198,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "Fused paged decode attention (CPU)",
         py::call_guard<py::gil_scoped_release>());
   m.def("fused_decode_layers", &fused_decode_layers, "Every decoder layer of a few-row int4 decode step",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("q4_linear", &q4_linear, "A few rows times a 4-bit weight, the rows quantized to int8 per group",
         py::call_guard<py::gil_scoped_release>());
   m.def("built_with_avx512", &built_with_avx512, "Whether the AVX-512 path was compiled in");
 }
