@@ -17,7 +17,10 @@ from bench.isolated import PeerFailed, run_isolated
 from bench.workload import BenchRequest, percentile, standard_workload
 
 PEERS = ("kvgate", "kvgate-fp32", "kvgate-bf16", "hf-serial", "hf-static", "llamacpp-server", "kvgate-1user",
-         "kvgate-1user-fp32", "llamacpp-bench")
+         "kvgate-1user-fp32", "kvgate-1user-unfused", "llamacpp-bench")
+# One-user peers: the engine's default, then with one setting changed.
+ONE_USER = {"kvgate-1user": {}, "kvgate-1user-fp32": {"dtype": "float32"},
+            "kvgate-1user-unfused": {"fused_decode": False}}
 # peer → EngineConfig fields: the default configuration, float32, and bfloat16 without 4-bit decode weights
 KVGATE_CONFIGS = {"kvgate": {}, "kvgate-fp32": {"dtype": "float32"},
                   "kvgate-bf16": {"dtype": "bfloat16", "int4_decode": "off"}}
@@ -25,8 +28,9 @@ KVGATE_CONFIGS = {"kvgate": {}, "kvgate-fp32": {"dtype": "float32"},
 
 def kvgate_label(engine, overrides: dict) -> str:
     """What an engine runs, as a table row names it: ``kvgate default (bfloat16, int4 decode)``."""
-    int4 = engine.loaded.model.int4_max_rows
-    what = str(engine.loaded.dtype).removeprefix("torch.") + (", int4 decode" if int4 else "")
+    model = engine.loaded.model
+    what = str(engine.loaded.dtype).removeprefix("torch.") + (", int4 decode" if model.int4_max_rows else "")
+    what += ", fused decode step" if model.fused_decode else ""
     return f"kvgate {'default ' if not overrides else ''}({what})"
 
 
@@ -209,11 +213,10 @@ def run_peer(peer: str, num_requests: int, hf_requests: int, seed: int) -> dict:
         return run_hf_static(reqs[:max(hf_requests, 16)])
     if peer == "llamacpp-server":
         return run_llamacpp_server(reqs)
-    if peer in ("kvgate-1user", "kvgate-1user-fp32"):
+    if peer in ONE_USER:
         from bench.one_user import run_kvgate_one_user
 
-        overrides = {"dtype": "float32"} if peer.endswith("fp32") else {}
-        return run_kvgate_one_user(overrides, load_tokenizer(resolve_model_dir(None)))
+        return run_kvgate_one_user(ONE_USER[peer], load_tokenizer(resolve_model_dir(None)))
     if peer == "llamacpp-bench":
         return run_llamacpp_bench()
     raise ValueError(f"unknown peer {peer!r}; known: {PEERS}")

@@ -18,7 +18,7 @@ def bench_engine(
                               "kvgate-1user,kvgate-1user-fp32,llamacpp-bench",
                               help="Comma list: kvgate (EngineConfig()'s defaults), kvgate-fp32, kvgate-bf16 "
                                    "(no 4-bit decode weights), hf-serial, hf-static, llamacpp-server (8 "
-                                   "slots, the same requests at once), kvgate-1user[-fp32] and "
+                                   "slots, the same requests at once), kvgate-1user[-fp32|-unfused] and "
                                    "llamacpp-bench (one user: pp512, tg128); llama.cpp peers need "
                                    "`kvgate bench build-llamacpp`"),
     hf_requests: int = typer.Option(16, help="Requests the (slow) transformers peers run; throughput is "
