@@ -63,7 +63,7 @@ class Served:
                 return child.pid
         raise AssertionError("no engine child")
 
-    def wait_ready(self, timeout_s: float = 120.0) -> None:
+    def wait_ready(self, timeout_s: float = 300.0) -> None:  # a first start may build C++ kernels
         deadline = time.monotonic() + timeout_s
         while True:
             assert self.proc.poll() is None, self.log()
