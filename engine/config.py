@@ -29,6 +29,11 @@ class EngineConfig:
             dense weights only by bfloat16's rounding of each group's scale), ``on`` (any checkpoint;
             lossy) or ``off``.
         int4_max_rows: The most tokens in a step that uses the 4-bit copies.
+        fixed_mmap_threshold: In the engine's own process (``kvgate serve``'s child), fix glibc's mmap
+            threshold (``engine.allocator``) so that large freed blocks go back to the system: RSS then
+            stays flat under ever-changing bfloat16 matmul shapes, but every step maps and faults in its
+            large buffers anew, which cost about 20% of tokens/s on the standard workload (2026-11-26);
+            off by default.
         fused_decode: Run every layer of a decode-only step on the 4-bit copies in one C++ call (plain
             loops for the norms, RoPE, activation and residuals between ATen's int4 matmuls and the fused
             attention kernel) instead of ~35 torch ops a layer; off runs the same arithmetic op by op.
@@ -74,6 +79,7 @@ class EngineConfig:
     int4_decode: str = "auto"
     int4_max_rows: int = 8
     fused_decode: bool = True
+    fixed_mmap_threshold: bool = False
     kv_cache_dtype: str = "auto"
     block_size: int = 16
     kv_cache_memory: int | None = None

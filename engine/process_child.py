@@ -137,7 +137,8 @@ def child_main(config: EngineConfig, cmd_conn: Any, out_conn: Any, initializer: 
     """The child: load the engine, report what callers need, then serve commands until told to stop or
     the parent goes away (its end of the command pipe closes)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent stops us
-    fix_mmap_threshold()  # before the model and the KV pool: see engine.allocator
+    if config.fixed_mmap_threshold:
+        fix_mmap_threshold()  # before the model and the KV pool: see engine.allocator
     if initializer is not None:
         initializer(*initargs)
     from engine.core import LLMEngine

@@ -37,6 +37,8 @@ class Settings(BaseSettings):
         device: ``cpu`` or ``cuda``.
         num_kv_blocks: Exact KV pool size in blocks (``None``: by memory fraction).
         max_num_seqs: Engine batch limit.
+        engine_fixed_mmap_threshold: Return the engine process's large freed buffers to the system (flat
+            RSS under sustained mixed traffic, about 20% fewer tokens/s; docs/operations.md#soak-test).
         scheduling_policy: ``fair`` (tenants share the engine's batch by their policies' ``share``, the
             default), ``priority`` (by the policies' ``priority`` alone) or ``fcfs``; see
             docs/operations.md#fair-share.
@@ -120,6 +122,7 @@ class Settings(BaseSettings):
     device: str = "cpu"
     num_kv_blocks: int | None = None
     max_num_seqs: int = 64
+    engine_fixed_mmap_threshold: bool = False
     scheduling_policy: Literal["fair", "priority", "fcfs"] = "fair"
     max_queued_requests: int | None = Field(default=None, ge=0)
     max_model_len: int | None = None
@@ -190,6 +193,7 @@ class Settings(BaseSettings):
             max_model_len=self.max_model_len,
             num_threads=self.engine_threads,
             scheduling_policy=self.scheduling_policy,
+            fixed_mmap_threshold=self.engine_fixed_mmap_threshold,
             determinism_modes=tuple(self.determinism_modes.split(",")),
         )
 

@@ -31,11 +31,11 @@ def test_the_fixed_threshold_keeps_large_blocks_in_mappings_of_their_own() -> No
     assert _probe("from engine.allocator import fix_mmap_threshold as f; assert f()") is True
 
 
-def test_the_engine_process_starts_with_the_threshold_fixed(tiny_llama_dir: Path) -> None:
+def test_the_engine_process_starts_with_the_threshold_fixed_when_asked(tiny_llama_dir: Path) -> None:
     from engine import EngineConfig
     from engine.process import ProcessLLMEngine
 
     # The probe runs in the child before the engine loads; raising there, it fails the child's start.
-    engine = ProcessLLMEngine(EngineConfig(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=32),
-                              initializer=malloc_probe.check_fixed)
+    engine = ProcessLLMEngine(EngineConfig(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=32,
+                                           fixed_mmap_threshold=True), initializer=malloc_probe.check_fixed)
     engine.shutdown()
