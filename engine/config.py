@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from engine.determinism import MODES, check_mode
 
 _DTYPES = ("float32", "bfloat16", "float16")
+_KV_QUANT = ("int8", "fp8")
 _POLICIES = ("fcfs", "priority", "fair")
 _SWITCHES = ("auto", "on", "off")
 
@@ -38,8 +39,10 @@ class EngineConfig:
             loops for the norms, RoPE, activation and residuals between ATen's int4 matmuls and the fused
             attention kernel) instead of ~35 torch ops a layer; off runs the same arithmetic op by op.
         kv_cache_dtype: ``auto`` (float32 on the CPU, where small-M bfloat16 batched matmuls are ~10x
-            slower than float32 ones and decode attention is all small-M; the model dtype on GPUs), or an
-            explicit dtype.
+            slower than float32 ones and decode attention is all small-M; the model dtype on GPUs), an
+            explicit dtype, or ``int8`` / ``fp8`` (e4m3; CUDA GPUs of compute capability 8.9 and up):
+            8-bit values with a float32 scale per token and KV head, 1.88x the tokens of a bfloat16
+            pool in the same memory (``kernels.kv_quant``; docs/performance.md#kv-cache-quantization).
         block_size: Tokens per KV block.
         kv_cache_memory: KV pool size in bytes; ``None`` takes ``kv_cache_fraction`` of available memory.
         kv_cache_fraction: Fraction of available memory for the KV pool when no byte budget is given.
@@ -108,8 +111,9 @@ class EngineConfig:
             raise ValueError(f"int4_decode must be one of {_SWITCHES}, got {self.int4_decode!r}")
         if self.int4_max_rows < 0:
             raise ValueError("int4_max_rows must be >= 0")
-        if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in _DTYPES:
-            raise ValueError(f"kv_cache_dtype must be 'auto' or one of {_DTYPES}")
+        if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in _DTYPES + _KV_QUANT:
+            raise ValueError(f"kv_cache_dtype must be 'auto' or one of {_DTYPES + _KV_QUANT}, "
+                             f"got {self.kv_cache_dtype!r}")
         if self.scheduling_policy not in _POLICIES:
             raise ValueError(f"scheduling_policy must be one of {_POLICIES}")
         if self.priority_aging_steps < 0:

@@ -9,6 +9,7 @@ from engine.determinism import BATCH_INVARIANT, FAST, FIXED, deterministic_algor
 from engine.request import Sequence, TokenLogprobs
 from engine.sampler import sample
 from kernels import AttentionMetadata, DecodeGroup, InvariantRows, PrefillSpan
+from kernels.kv_quant import QuantizedKV
 
 _DECODE_GROUP = 16  # rows per decode group: bounds padding to the spread of 16 sorted lengths
 
@@ -138,9 +139,9 @@ class ModelRunner:
 
     def zero_blocks(self, block_ids: list[int]) -> None:
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        for k, v in self.kv_caches:
-            k.index_fill_(0, idx, 0)
-            v.index_fill_(0, idx, 0)
+        for pair in self.kv_caches:
+            for cache in pair:  # a QuantizedKV zeroes its values and scales
+                cache.zero_blocks(idx) if isinstance(cache, QuantizedKV) else cache.index_fill_(0, idx, 0)
 
     def execute_isolating(self, scheduled: list[tuple[Sequence, int]], failed: dict[str, BaseException]
                           ) -> tuple[list[Sequence], list[int], list[TokenLogprobs | None]]:

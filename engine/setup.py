@@ -23,6 +23,7 @@ from engine.determinism import (
     weights_digest,
 )
 from engine.errors import ModelLoadError
+from engine.kv_alloc import DTYPES, allocate_kv_caches, bytes_per_block, check_kv_dtype, kv_dtype, pool_nbytes
 from engine.loader import (
     DEFAULT_MODEL_NAME,
     ModelConfig,
@@ -39,7 +40,6 @@ from kernels.int4 import int4_available
 
 logger = logging.getLogger("kvgate.engine")
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _decode_warned = False
 
 
@@ -79,7 +79,7 @@ def _model_name(model: str | None) -> str:
 def _num_blocks(config: EngineConfig, mc: ModelConfig, dtype: torch.dtype, device: torch.device) -> int:
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
-    per_block = 2 * mc.num_layers * config.block_size * mc.num_kv_heads * mc.head_dim * dtype.itemsize
+    per_block = bytes_per_block(config, mc, dtype)
     if config.kv_cache_memory is not None:
         budget = config.kv_cache_memory
     elif device.type == "cuda":
@@ -106,7 +106,7 @@ def has_fast_bf16_matmul() -> bool:
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     """The compute dtype ``auto`` stands for on this device, or the one named."""
     if name != "auto":
-        return _DTYPES[name]
+        return DTYPES[name]
     return torch.bfloat16 if device.type == "cuda" or has_fast_bf16_matmul() else torch.float32
 
 
@@ -126,12 +126,6 @@ def _maybe_pack_int4(config: EngineConfig, model: LlamaForCausalLM, dtype: torch
     model.fused_decode = model.fused_decode and config.fused_decode
     logger.info("4-bit layer weights for steps of <= %d tokens: %s; 8-bit LM head: %s", config.int4_max_rows,
                 "on" if used else "off (the checkpoint's weights are not 4-bit)", "on" if head else "off")
-
-
-def _kv_dtype(config: EngineConfig, dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    if config.kv_cache_dtype != "auto":
-        return _DTYPES[config.kv_cache_dtype]
-    return torch.float32 if device.type == "cpu" else dtype
 
 
 def build_model(config: EngineConfig, mc: ModelConfig, state: dict, max_model_len: int, dtype: torch.dtype,
@@ -163,19 +157,17 @@ def load_model(config: EngineConfig) -> LoadedModel:
     max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
     model = build_model(config, mc, load_state_dict(model_dir), max_model_len, dtype, device)
     tokenizer = load_tokenizer(Path(config.tokenizer) if config.tokenizer else model_dir)
-    kv_dtype = _kv_dtype(config, dtype, device)
-    num_blocks = _num_blocks(config, mc, kv_dtype, device)
+    check_kv_dtype(config, device)
+    cache_dtype = kv_dtype(config, dtype, device)
+    num_blocks = _num_blocks(config, mc, cache_dtype, device)
     # One block more than the pool hands out: the last one, the null block (id ``num_blocks``), is never
     # allocated, so nothing writes it and it stays zero. Block tables are padded with it, so a kernel
     # that reads padding reads zeros, never another sequence's (possibly non-finite) K/V.
     shape = (num_blocks + 1, config.block_size, mc.num_kv_heads, mc.head_dim)
-    # Zeroed, not empty: a fresh pool must never expose memory this process used for something else.
-    kv_caches = [(torch.zeros(shape, dtype=kv_dtype, device=device),
-                  torch.zeros(shape, dtype=kv_dtype, device=device))
-                 for _ in range(mc.num_layers)]
-    nbytes = 2 * mc.num_layers * kv_caches[0][0].numel() * kv_dtype.itemsize
-    logger.info("KV cache: %d blocks = %d tokens (%.0f MiB, %s)", num_blocks, num_blocks * config.block_size,
-                nbytes / 2**20, kv_dtype)
+    kv_caches = allocate_kv_caches(config, shape, mc.num_layers, cache_dtype, dtype, device)
+    logger.info("KV cache: %d blocks = %d tokens (%.0f MiB, %s%s)", num_blocks,
+                num_blocks * config.block_size, pool_nbytes(kv_caches) / 2**20, cache_dtype,
+                " with a float32 scale per token and head" if cache_dtype.itemsize == 1 else "")
     eos = set(mc.eos_token_ids)
     if getattr(tokenizer, "eos_token_id", None) is not None:
         eos.add(tokenizer.eos_token_id)

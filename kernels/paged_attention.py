@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.cpu_ext import decode_kernel_loaded, paged_attention_rows, paged_decode_attention
+from kernels.kv_quant import QuantizedKV, dense_blocks, dense_view, gather_slots
 
 
 @dataclass(slots=True)
@@ -87,8 +88,10 @@ class AttentionMetadata:
 _workspace: dict[tuple, torch.Tensor] = {}
 
 
-def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, which: int) -> torch.Tensor:
+def _gather_blocks(cache: torch.Tensor | QuantizedKV, block_ids: torch.Tensor, which: int) -> torch.Tensor:
     """cache[block_ids] into a reused buffer: fresh multi-MiB allocations per layer cost page faults."""
+    if isinstance(cache, QuantizedKV):
+        return dense_blocks(cache, block_ids)
     n = block_ids.numel()
     # inference-mode tensors cannot be written outside inference mode: keep one buffer per mode
     key = (which, cache.dtype, cache.device, cache.shape[1:], torch.is_inference_mode_enabled())
@@ -203,20 +206,42 @@ def _has_triton() -> bool:
     return True
 
 
-def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    num_kv_heads, head_dim = cache.shape[-2:]
-    return cache.view(-1, num_kv_heads, head_dim)[slots]
+def compute_dtype(cache: torch.Tensor | QuantizedKV) -> torch.dtype:
+    """The dtype attention over this cache runs in: the cache's own, or what an 8-bit one dequantizes to."""
+    return cache.compute_dtype if isinstance(cache, QuantizedKV) else cache.dtype
 
 
-def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def zero_block(cache: torch.Tensor | QuantizedKV, block: int) -> None:
+    if isinstance(cache, QuantizedKV):
+        cache.raw()[block].zero_()
+        cache.scale[block].zero_()
+    else:
+        cache[block].zero_()
+
+
+def _invariant_rows(query: torch.Tensor, k_cache: torch.Tensor | QuantizedKV,
+                    v_cache: torch.Tensor | QuantizedKV, inv: InvariantRows, scale: float) -> torch.Tensor:
+    rows_kernel = paged_attention_rows
+    if inv.backend == "triton":
+        from kernels.triton_bi import paged_attention_rows_triton as rows_kernel
+    tables = inv.block_tables
+    if isinstance(k_cache, QuantizedKV):  # the rows kernels read dense caches: just the blocks they need
+        k_cache, v_cache, tables = dense_view(k_cache, v_cache, tables)
+    return rows_kernel(query[inv.start:].to(k_cache.dtype), k_cache, v_cache, tables, inv.row_seq,
+                       inv.row_ctx, scale)
+
+
+def paged_attention(query: torch.Tensor, k_cache: torch.Tensor | QuantizedKV,
+                    v_cache: torch.Tensor | QuantizedKV, meta: AttentionMetadata,
+                    scale: float) -> torch.Tensor:
     """Attention of every batch token over its sequence's cached context.
 
     Args:
         query: [T, num_heads, head_dim], RoPE applied. The cache may hold another dtype than the query
             (float32 K/V under a bfloat16 model); the fused CPU decode kernel accumulates in float32,
             the torch paths run in the cache's dtype.
-        k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], this step's K/V already stored.
+        k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], this step's K/V already stored;
+            dense, or 8-bit ``QuantizedKV`` caches (dequantized to their compute dtype as they are read).
         meta: the step's layout.
         scale: softmax scale, usually head_dim ** -0.5.
 
@@ -225,17 +250,17 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     """
     num_tokens, num_heads, head_dim = query.shape
     group = num_heads // k_cache.shape[-2]
-    out = torch.empty(query.shape, dtype=k_cache.dtype, device=query.device)
+    out = torch.empty(query.shape, dtype=compute_dtype(k_cache), device=query.device)
     if meta.decode_groups:
         _decode_kernel(query, k_cache)(query, k_cache, v_cache, meta, scale, out)
         if meta.scratch_block is not None:
-            k_cache[meta.scratch_block].zero_()
-            v_cache[meta.scratch_block].zero_()
+            zero_block(k_cache, meta.scratch_block)
+            zero_block(v_cache, meta.scratch_block)
     for span in meta.prefills:
         s, n = span.q_start, span.q_len
-        q = query[s:s + n].transpose(0, 1).unsqueeze(0).to(k_cache.dtype)  # [1, H, n, Dh]
-        k = _gather(k_cache, span.ctx_slots).transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, Dh]
-        v = _gather(v_cache, span.ctx_slots).transpose(0, 1).unsqueeze(0)
+        q = query[s:s + n].transpose(0, 1).unsqueeze(0).to(out.dtype)  # [1, H, n, Dh]
+        k = gather_slots(k_cache, span.ctx_slots).transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, Dh]
+        v = gather_slots(v_cache, span.ctx_slots).transpose(0, 1).unsqueeze(0)
         if span.mask is None:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=group > 1)
         else:
@@ -243,10 +268,5 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                                                enable_gqa=group > 1)
         out[s:s + n] = o[0].transpose(0, 1)
     if meta.invariant is not None:
-        inv = meta.invariant
-        rows_kernel = paged_attention_rows
-        if inv.backend == "triton":
-            from kernels.triton_bi import paged_attention_rows_triton as rows_kernel
-        out[inv.start:] = rows_kernel(query[inv.start:].to(k_cache.dtype), k_cache, v_cache,
-                                      inv.block_tables, inv.row_seq, inv.row_ctx, scale)
+        out[meta.invariant.start:] = _invariant_rows(query, k_cache, v_cache, meta.invariant, scale)
     return out.view(num_tokens, num_heads * head_dim).to(query.dtype)

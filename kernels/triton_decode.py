@@ -21,19 +21,23 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.kv_quant import QuantizedKV
+
 # The interpreter runs tl.dot on numpy arrays, which have no bfloat16: there every product is float32.
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 TILE = 64  # tokens a program reads per step: four 16-token blocks
 MIN_SPLIT_TOKENS = 256  # a span never holds fewer tokens, so short contexts do not pay for empty splits
 MAX_SPLITS = 16
+STAGES = 3  # software pipeline depth of the span loop (Triton's default for a plain loop on CUDA)
 
 
 @triton.jit
-def _split_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, ctx_ptr, o_ptr, lse_ptr, scale,
-                         sqr, sqh, skb, sks, skh, st, sor, soh, sos, slr, slh,
+def _split_decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, tables_ptr, ctx_ptr, o_ptr, lse_ptr, scale,
+                         sqr, sqh, skb, sks, skh, ssb, sss, st, sor, soh, sos, slr, slh,
                          GROUP: tl.constexpr, GROUP_P2: tl.constexpr, D: tl.constexpr, D_P2: tl.constexpr,
                          BS: tl.constexpr, TILE: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                         MIN_SPAN: tl.constexpr, IEEE: tl.constexpr):
+                         MIN_SPAN: tl.constexpr, IEEE: tl.constexpr, QUANT: tl.constexpr,
+                         STAGES: tl.constexpr):
     r = tl.program_id(0)
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
@@ -53,27 +57,32 @@ def _split_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, ctx_ptr, o_ptr, lse_pt
     l_i = tl.zeros((GROUP_P2,), dtype=tl.float32)
     acc = tl.zeros((GROUP_P2, D_P2), dtype=tl.float32)
     offs = tl.arange(0, TILE)
-    for t0 in range(start, end, TILE):
+    for t0 in tl.range(start, end, TILE, num_stages=STAGES):
         t = t0 + offs
         ok = t < end
-        block = tl.load(tables_ptr + r * st + t // BS, mask=ok, other=0)
-        kv_off = block.to(tl.int64) * skb + (t % BS) * sks + kvh * skh
+        block = tl.load(tables_ptr + r * st + t // BS, mask=ok, other=0).to(tl.int64)
+        kv_off = block * skb + (t % BS) * sks + kvh * skh
         kv_mask = ok[:, None] & d_ok[None, :]
         k = tl.load(k_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)  # [TILE, D]
+        v = tl.load(v_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
         if IEEE:
             s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
-            s = tl.dot(q, tl.trans(k))  # [G, TILE], float32 accumulation
+            s = tl.dot(q, tl.trans(k.to(q.dtype)))  # [G, TILE], float32 accumulation
+        if QUANT:  # 8-bit K/V: each token's scale multiplies its score column and its probability
+            sc_off = block * ssb + (t % BS) * sss + kvh
+            s = s * tl.load(ks_ptr + sc_off, mask=ok, other=0.0)[None, :]
         s = tl.where(ok[None, :], s * scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if QUANT:
+            p = p * tl.load(vs_ptr + sc_off, mask=ok, other=0.0)[None, :]
         if IEEE:
             pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
         else:
-            pv = tl.dot(p.to(v.dtype), v)
+            pv = tl.dot(p.to(q.dtype), v.to(q.dtype))
         acc = acc * alpha[:, None] + pv
         m_i = m_new
     # an empty span (start >= ctx) leaves l_i = 0: its log-sum-exp is -inf and it weighs nothing
@@ -112,34 +121,41 @@ def pick_num_splits(rows: int, num_kv_heads: int, num_sms: int) -> int:
     return min(MAX_SPLITS, triton.next_power_of_2(want))
 
 
-def split_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, ctx_lens: torch.Tensor, scale: float,
-                           num_splits: int, tile: int = TILE, num_warps: int = 4) -> torch.Tensor:
+def split_decode_attention(query: torch.Tensor, k_cache: torch.Tensor | QuantizedKV,
+                           v_cache: torch.Tensor | QuantizedKV, block_tables: torch.Tensor,
+                           ctx_lens: torch.Tensor, scale: float, num_splits: int, tile: int = TILE,
+                           num_warps: int = 4, stages: int = STAGES) -> torch.Tensor:
     """One decode query per row over its paged context, split across ``num_splits`` programs per row
     and KV head.
 
     Args:
         query: [R, num_heads, head_dim].
-        k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim].
+        k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim] dense tensors, or 8-bit
+            ``QuantizedKV`` caches (read in 8 bits; their scales fold into scores and probabilities).
         block_tables: [R, max_blocks] int (row i's blocks; entries past its context are not read).
         ctx_lens: [R] int, each row's context length (0 gives a zero row).
         scale: softmax scale.
         num_splits: spans per row and KV head (``pick_num_splits``).
-        tile, num_warps: tokens a program reads per step and its warps (the defaults are the engine's;
-            `kvgate bench gpu` times others).
+        tile, num_warps, stages: tokens a program reads per step, its warps and its loop's software
+            pipeline depth (the defaults are the engine's; `kvgate bench gpu` times others).
 
     Returns:
-        [R, num_heads, head_dim] in the cache's dtype (float32 arithmetic inside).
+        [R, num_heads, head_dim] in the cache's dtype (the compute dtype of an 8-bit cache), float32
+        arithmetic inside.
     """
     rows, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
     if num_heads % num_kv_heads or block_size & (block_size - 1):
         raise ValueError("heads must divide evenly and block_size must be a power of two")
-    if k_cache.stride(-1) != 1 or block_tables.stride(-1) != 1 or query.stride(-1) != 1:
+    quant = isinstance(k_cache, QuantizedKV)
+    kc, vc = (k_cache.data, v_cache.data) if quant else (k_cache, v_cache)
+    ks, vs = (k_cache.scale, v_cache.scale) if quant else (kc, vc)  # unread unless quantized
+    if kc.stride(-1) != 1 or block_tables.stride(-1) != 1 or query.stride(-1) != 1:
         raise ValueError("the last dimension of query, caches and block tables must be contiguous")
-    query = query.to(k_cache.dtype)
-    out = torch.empty((rows, num_heads, head_dim), dtype=k_cache.dtype, device=query.device)
+    out_dtype = k_cache.compute_dtype if quant else kc.dtype
+    query = query.to(out_dtype)
+    out = torch.empty((rows, num_heads, head_dim), dtype=out_dtype, device=query.device)
     if rows == 0:
         return out
     part = torch.empty((rows, num_heads, num_splits, head_dim), dtype=torch.float32, device=query.device)
@@ -147,12 +163,13 @@ def split_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     d_p2 = triton.next_power_of_2(head_dim)
     # tl.dot needs at least 16 rows: the group's query heads are padded (compute is not what binds here)
     _split_decode_kernel[(rows, num_kv_heads, num_splits)](
-        query, k_cache, v_cache, block_tables, ctx_lens, part, lse, scale,
-        query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_tables.stride(0), part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
+        query, kc, vc, ks, vs, block_tables, ctx_lens, part, lse, scale,
+        query.stride(0), query.stride(1), kc.stride(0), kc.stride(1), kc.stride(2),
+        ks.stride(0), ks.stride(1), block_tables.stride(0), part.stride(0), part.stride(1), part.stride(2),
+        lse.stride(0), lse.stride(1),
         GROUP=group, GROUP_P2=max(16, triton.next_power_of_2(group)), D=head_dim, D_P2=max(16, d_p2),
         BS=block_size, TILE=tile, NUM_SPLITS=num_splits, MIN_SPAN=max(MIN_SPLIT_TOKENS, tile),
-        IEEE=k_cache.dtype == torch.float32 or _INTERPRETED, num_warps=num_warps)
+        IEEE=out_dtype == torch.float32 or _INTERPRETED, QUANT=quant, STAGES=stages, num_warps=num_warps)
     _merge_kernel[(rows, num_heads)](
         part, lse, out, part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
         out.stride(0), out.stride(1), NUM_SPLITS=num_splits,

@@ -9,22 +9,29 @@ import math
 import pytest
 
 from engine import SamplingParams
+from kernels.kv_quant import QuantizedKV
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0)
 SHORT, LONG = [40, 41, 42], [100 + i for i in range(37)]  # 1 block against 3 (block_size 16)
 
 
 def _make(tiny_engine_factory, kv_cache_dtype: str):
-    # float16: the torch decode path (gather whole blocks, mask); float32: the fused C++ kernel
+    # float16: the torch decode path (gather whole blocks, mask); float32: the fused C++ kernel; int8: the
+    # torch path over dequantized blocks (kernels.kv_quant)
     return tiny_engine_factory(num_kv_blocks=12, dtype="float32", kv_cache_dtype=kv_cache_dtype,
                                enable_prefix_caching=False)
 
 
 def _poison(engine, value: float) -> None:
     """Fill every block the pool can hand out, as stale K/V of earlier owners would (an fp16 overflow)."""
-    for k, v in engine.runner.kv_caches:
-        k[:engine.kv.pool.num_blocks] = value
-        v[:engine.kv.pool.num_blocks] = value
+    n = engine.kv.pool.num_blocks
+    for pair in engine.runner.kv_caches:
+        for cache in pair:
+            if isinstance(cache, QuantizedKV):  # a stale scale is what can be non-finite there
+                cache.raw()[:n] = 0x7F
+                cache.scale[:n] = value
+            else:
+                cache[:n] = value
 
 
 def _run(engine, prompts):
@@ -32,7 +39,7 @@ def _run(engine, prompts):
     return [(o.token_ids, [lp.logprob for lp in o.outputs[0].logprobs]) for o in outs]
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["float16", "float32"])
+@pytest.mark.parametrize("kv_cache_dtype", ["float16", "float32", "int8"])
 @pytest.mark.parametrize("value", [math.inf, math.nan])
 def test_a_batched_decode_over_non_finite_stale_blocks_matches_each_sequence_alone(tiny_engine_factory,
                                                                                    kv_cache_dtype, value):
