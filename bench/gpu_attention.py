@@ -14,10 +14,19 @@ from kernels import AttentionMetadata, DecodeGroup, paged_attention
 _GROUP = 16  # decode rows per group, as the model runner forms them
 
 
-def time_ms(fn, device: torch.device, reps: int = 20) -> float:
-    """Median milliseconds of ``fn()`` after two warm-up calls (device events on CUDA)."""
+ATTENTION_SIZES = [(1, 512), (1, 32768), (16, 8192), (32, 4096), (32, 8192), (32, 32768), (64, 512),
+                   (64, 4096), (64, 8192), (128, 4096), (256, 512), (256, 4096)]
+_SWEEP_SIZES = {(32, 4096), (64, 8192), (256, 4096)}  # where the split kernel's settings are swept
+
+
+def time_ms(fn, device: torch.device, reps: int = 20, graph: bool = True) -> float:
+    """Median milliseconds of one ``fn()`` after two warm-up calls. On CUDA with ``graph``, as the engine
+    runs it: ten calls captured in one CUDA graph and replayed (no host launch cost); else device events
+    around each eager call (on the CPU, the wall clock)."""
     for _ in range(2):
         fn()
+    if device.type == "cuda" and graph:
+        return _graph_ms(fn, reps)
     times = []
     for _ in range(reps):
         if device.type == "cuda":
@@ -34,6 +43,24 @@ def time_ms(fn, device: torch.device, reps: int = 20) -> float:
     return statistics.median(times)
 
 
+def _graph_ms(fn, reps: int, inner: int = 10) -> float:
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(inner):
+            fn()
+    g.replay()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        g.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / inner)
+    return statistics.median(times)
+
+
 def copy_bandwidth_gbs(device: torch.device, nbytes: int) -> float:
     """A device-to-device copy's GB/s counting bytes read plus written: the memory ceiling here."""
     src = torch.randn(nbytes // 4, device=device)
@@ -46,12 +73,12 @@ def _case(batch: int, ctx: int, heads: tuple[int, int, int], dtype: torch.dtype,
     """A paged cache whose rows own shuffled blocks, each row holding exactly ``ctx`` tokens."""
     num_heads, num_kv_heads, head_dim = heads
     nb = -(-ctx // block_size)
-    gen = torch.Generator().manual_seed(batch * 7919 + ctx)
+    gen = torch.Generator(device).manual_seed(batch * 7919 + ctx)  # on the device: GiB-sized cases
     total = batch * nb + 1
-    k_cache = torch.randn(total, block_size, num_kv_heads, head_dim, generator=gen).to(device, dtype)
-    v_cache = torch.randn(total, block_size, num_kv_heads, head_dim, generator=gen).to(device, dtype)
-    tables = (torch.randperm(total - 1, generator=gen)[:batch * nb] + 1).view(batch, nb).to(device)
-    q = torch.randn(batch, num_heads, head_dim, generator=gen).to(device, dtype)
+    k_cache = torch.randn(total, block_size, num_kv_heads, head_dim, generator=gen, device=device).to(dtype)
+    v_cache = torch.randn(total, block_size, num_kv_heads, head_dim, generator=gen, device=device).to(dtype)
+    tables = (torch.randperm(total - 1, generator=gen, device=device)[:batch * nb] + 1).view(batch, nb)
+    q = torch.randn(batch, num_heads, head_dim, generator=gen, device=device).to(dtype)
     mask = None
     if ctx != nb * block_size:
         mask = (torch.arange(nb * block_size, device=device) < ctx)[None, None, None, :].expand(
@@ -86,6 +113,7 @@ def measure_case(batch: int, ctx: int, heads: tuple[int, int, int], dtype: torch
     methods = {
         # the engine's decode path on this device (on CUDA the split-KV kernel), from the step's groups
         "kvgate": lambda: paged_attention(q, k_cache, v_cache, meta, scale),
+        "kvgate_eager": lambda: paged_attention(q, k_cache, v_cache, meta, scale),
         "triton_rows": lambda: paged_attention_rows_triton(q, k_cache, v_cache, tables, seq, lens, scale),
         "sdpa_contiguous": lambda: torch.nn.functional.scaled_dot_product_attention(
             qs, k, v, scale=scale, enable_gqa=heads[0] != heads[1]),
@@ -93,34 +121,57 @@ def measure_case(batch: int, ctx: int, heads: tuple[int, int, int], dtype: torch
     ref = methods["sdpa_contiguous"]()[:, :, 0].float()
     nbytes = 2 * batch * ctx * heads[1] * heads[2] * dtype.itemsize
     row = {"batch": batch, "ctx": ctx, "kv_mib": nbytes / 2**20}
-    if device.type == "cuda" and batch >= 32 and ctx >= 4096:
-        methods.update(_split_variants(q, k_cache, v_cache, tables, lens, scale))
+    read = dict.fromkeys(methods, nbytes)
+    if device.type == "cuda":
+        quant = _quantized_methods(q, k_cache, v_cache, tables, lens, scale)
+        methods.update(quant)
+        read.update(dict.fromkeys(quant, nbytes * (heads[2] + 4) // (heads[2] * dtype.itemsize)))
+        if (batch, ctx) in _SWEEP_SIZES:
+            sweep = _split_variants(q, k_cache, v_cache, tables, lens, scale)
+            methods.update(sweep)
+            read.update(dict.fromkeys(sweep, nbytes))
     for name, fn in methods.items():
         try:
             out = fn().view(batch, heads[0], -1).float() if name != "sdpa_contiguous" else ref
-            row[f"{name}_ms"] = ms = time_ms(fn, device)
+            row[f"{name}_ms"] = ms = time_ms(fn, device, graph=name != "kvgate_eager")
         except Exception as e:  # noqa: BLE001 - one method's failure must not cost the others
             row[f"{name}_error"] = f"{type(e).__name__}: {e}"
             continue
-        row[f"{name}_gbs"] = nbytes / ms / 1e6
+        row[f"{name}_gbs"] = read[name] / ms / 1e6
         row[f"{name}_rel_err"] = float((out - ref).norm() / ref.norm())
     return row
 
 
+def _quantized_methods(q, k_cache, v_cache, tables, lens, scale) -> dict:
+    """The split kernel over int8 and fp8 copies of the cache (their GB/s count the 8-bit values and the
+    scales they read; their error against SDPA includes the quantization's)."""
+    from kernels.kv_quant import QUANT_DTYPES, QuantizedKV, quantize
+    from kernels.paged_attention import _num_sms
+    from kernels.triton_decode import pick_num_splits, split_decode_attention
+
+    splits = pick_num_splits(q.shape[0], k_cache.shape[2], _num_sms(q.device))
+    methods = {}
+    for kind, qdtype in QUANT_DTYPES.items():
+        kq, vq = (QuantizedKV(*quantize(c, qdtype), c.dtype) for c in (k_cache, v_cache))
+        methods[f"kvgate_{kind}"] = (lambda kq=kq, vq=vq:
+                                     split_decode_attention(q, kq, vq, tables, lens, scale, splits))
+    return methods
+
+
 def _split_variants(q, k_cache, v_cache, tables, lens, scale) -> dict:
-    """The split-KV kernel at other tiles, warps and split counts than the engine's."""
+    """The split-KV kernel at other tiles, warps, pipeline depths and split counts than the engine's."""
     from kernels.paged_attention import _num_sms
     from kernels.triton_decode import pick_num_splits, split_decode_attention
 
     picked = pick_num_splits(q.shape[0], k_cache.shape[2], _num_sms(q.device))
 
-    def variant(tile: int, warps: int, splits: int):
+    def variant(tile: int, warps: int, stages: int, splits: int):
         return lambda: split_decode_attention(q, k_cache, v_cache, tables, lens, scale, splits, tile=tile,
-                                              num_warps=warps)
+                                              num_warps=warps, stages=stages)
 
-    settings = ((32, 4, picked), (128, 4, picked), (64, 8, picked), (128, 8, picked), (64, 4, 2 * picked),
-                (64, 4, max(1, picked // 2)))
-    return {f"split_t{t}_w{w}_s{s}": variant(t, w, s) for t, w, s in settings}
+    settings = [(t, w, st, picked) for t in (64, 128) for w in (4, 8) for st in (1, 2, 3, 4)]
+    settings += [(64, 4, 3, 2 * picked), (64, 4, 3, max(1, picked // 2)), (128, 4, 3, 2 * picked)]
+    return {f"split_t{t}_w{w}_st{st}_s{s}": variant(t, w, st, s) for t, w, st, s in settings}
 
 
 def run_attention_bench(device: torch.device, heads: tuple[int, int, int], sizes: list[tuple[int, int]],

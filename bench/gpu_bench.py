@@ -19,7 +19,8 @@ from pathlib import Path
 import torch
 
 from bench.gpu_agreement import run_correctness, run_default_modes
-from bench.gpu_attention import run_attention_bench
+from bench.gpu_attention import ATTENTION_SIZES, run_attention_bench
+from bench.gpu_kv import run_kv_quant
 from bench.gpu_model import (
     ARCHITECTURES,
     DTYPES,
@@ -35,14 +36,15 @@ from bench.gpu_report import format_table
 from bench.workload import BenchRequest, percentile, standard_workload
 
 
-def run_kvgate_throughput(model_dir: Path, reqs: list[BenchRequest], args, cuda_graphs: bool = True) -> dict:
+def run_kvgate_throughput(model_dir: Path, reqs: list[BenchRequest], args, cuda_graphs: bool = True,
+                          kv_cache_dtype: str = "auto") -> dict:
     """The workload submitted at once to the engine (bfloat16), greedy, exactly max_new_tokens each;
     decode steps from CUDA graphs unless ``cuda_graphs`` is False."""
     from engine import SamplingParams
 
-    engine = kvgate_engine(model_dir, args.device, args.dtype, max_num_seqs=64,
+    engine = kvgate_engine(model_dir, args.device, args.dtype, max_num_seqs=max(64, len(reqs)),
                            max_num_batched_tokens=args.max_batched_tokens, enable_prefix_caching=False,
-                           cuda_graphs=cuda_graphs)
+                           cuda_graphs=cuda_graphs, kv_cache_dtype=kv_cache_dtype)
     # Warm-up over the workload's own shapes (prefill chunks, mixed and decode steps of every size), so
     # that Triton compiles its kernels' specializations here and not inside the timed run (a one-request
     # warm-up left them there: the median time to first token was 3.8 s instead of 0.2 s).
@@ -59,7 +61,9 @@ def run_kvgate_throughput(model_dir: Path, reqs: list[BenchRequest], args, cuda_
     wall = time.monotonic() - t0
     gen = sum(r.max_new_tokens for r in reqs)
     decoder = engine.runner.decoder
-    row = {"peer": f"kvgate ({args.dtype}{'' if cuda_graphs else ', no CUDA graphs'})", "requests": len(reqs),
+    kv = "" if kv_cache_dtype == "auto" else f", {kv_cache_dtype} KV cache"
+    row = {"peer": f"kvgate ({args.dtype}{kv}{'' if cuda_graphs else ', no CUDA graphs'})",
+           "requests": len(reqs),
            "generated_tokens": gen, "wall_s": wall, "tokens_per_s": gen / wall,
            "ttft_p50_s": percentile(ttfts, 50), "steps": engine.stats().num_steps,
            "max_num_batched_tokens": args.max_batched_tokens, "peak_gpu_mib": peak_gpu_mib(args.device),
@@ -126,7 +130,7 @@ def environment(device: str) -> dict:
     return env
 
 
-SECTIONS = ("correctness", "throughput", "attention", "default_modes")
+SECTIONS = ("correctness", "throughput", "attention", "default_modes", "kv_cache", "throughput_256")
 
 
 def _prepare(args, report: dict):
@@ -161,12 +165,15 @@ def run(args) -> dict:
             _section(report, "throughput_kvgate_eager", out, run_kvgate_throughput, model_dir, reqs, args,
                      False)
     if "attention" in args.sections:
-        contexts = (512, 2048, 4096, 8192) if args.device == "cuda" else (64, 200)
-        sizes = [(b, c) for b in (16, 32, 64) for c in contexts]
+        sizes = ATTENTION_SIZES if args.device == "cuda" else [(3, 64), (16, 200)]
         _section(report, "attention", out, run_attention_bench, torch.device(args.device),
                  (mc.num_heads, mc.num_kv_heads, mc.head_dim), sizes)
     if corr is not None and "default_modes" in args.sections:
         _section(report, "default_modes", out, run_default_modes, model_dir, prompts, corr["hf"], args)
+    if "kv_cache" in args.sections:
+        _section(report, "kv_cache", out, run_kv_quant, model_dir, prompts, reqs, args, run_kvgate_throughput)
+    if "throughput_256" in args.sections:
+        _section(report, "throughput_256req", out, run_large_batch, model_dir, args)
     for arch in args.extra_archs:
         if time.monotonic() - args.t0 > args.budget_s:
             report[f"throughput_{arch}"] = {"skipped": f"past the {args.budget_s:.0f} s budget"}
@@ -174,6 +181,16 @@ def run(args) -> dict:
         _section(report, f"throughput_{arch}", out, run_arch_throughput, arch, args)
     out.write_text(json.dumps(report, indent=2, default=str))
     return report
+
+
+def run_large_batch(model_dir: Path, args, num_requests: int = 256) -> dict:
+    """The standard workload at 256 requests: kvgate, and transformers as one static batch of all of them."""
+    from engine.loader import load_tokenizer
+
+    reqs = standard_workload(load_tokenizer(model_dir), num_requests, args.seed)
+    kvgate = run_kvgate_throughput(model_dir, reqs, args)
+    big = argparse.Namespace(**{**vars(args), "hf_batch": num_requests})
+    return {"kvgate": kvgate, "hf": run_hf_throughput(model_dir, reqs, big)}
 
 
 def run_arch_throughput(arch: str, args) -> dict:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from bench.gpu_kv import kv_rows
+
 
 def _err(section) -> str | None:
     if section is None:
@@ -27,21 +29,29 @@ def _throughput_rows(report: dict) -> list[str]:
     return rows
 
 
+_ATTENTION_METHODS = ("kvgate", "kvgate_eager", "kvgate_int8", "kvgate_fp8", "triton_rows", "sdpa_contiguous")
+
+
 def _attention_rows(section: dict | None) -> list[str]:
     if _err(section):
         return [f"attention: {_err(section)}"]
     rows = [f"decode attention, one layer, heads {section['heads']}, {section['dtype']}; device copy "
-            f"{section['copy_gbs']:.0f} GB/s (read + write)",
-            "| batch | ctx | KV MiB | kvgate decode GB/s | Triton rows GB/s | SDPA contiguous GB/s | "
-            "kvgate / copy |",
-            "|---:|---:|---:|---:|---:|---:|---:|"]
+            f"{section['copy_gbs']:.0f} GB/s (read + write); GB/s over the bytes each method must read, "
+            "timed in a CUDA graph except 'eager'",
+            "| batch | ctx | KV MiB | kvgate | kvgate eager | kvgate int8 KV | kvgate fp8 KV | Triton rows | "
+            "SDPA contiguous | kvgate / copy | best swept setting |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in section["rows"]:
         if "error" in r:
-            rows.append(f"| {r['batch']} | {r['ctx']} | {r['error']} ||||")
+            rows.append(f"| {r['batch']} | {r['ctx']} | {r['error']} ||||||||")
             continue
-        cells = [f"{r[m + '_gbs']:.0f}" if m + "_gbs" in r else "error"
-                 for m in ("kvgate", "triton_rows", "sdpa_contiguous")]
+        cells = [f"{r[m + '_gbs']:.0f}" if m + "_gbs" in r else ("error" if m + "_error" in r else "")
+                 for m in _ATTENTION_METHODS]
         cells.append(f"{r['kvgate_gbs'] / section['copy_gbs']:.0%}" if "kvgate_gbs" in r else "")
+        swept = {k.removesuffix("_gbs"): v for k, v in r.items()
+                 if k.startswith("split_") and k.endswith("_gbs")}
+        best = max(swept, key=swept.get) if swept else None
+        cells.append(f"{best} {swept[best]:.0f} ({swept[best] / section['copy_gbs']:.0%})" if best else "")
         rows.append(f"| {r['batch']} | {r['ctx']} | {r['kv_mib']:.1f} | " + " | ".join(cells) + " |")
     return rows
 
@@ -62,7 +72,8 @@ def format_table(report: dict) -> str:
         lines.append(f"default modes: {_err(modes) or modes.get('modes')}"
                      + (f"; batch_invariant vs transformers: {_agreement(bi)}" if bi else "")
                      + (f"; batch_invariant off: {modes['bi_error']}" if modes.get("bi_error") else ""))
-    tables = _throughput_rows(report) + [""] + _attention_rows(report.get("attention"))
+    tables = (_throughput_rows(report) + [""] + _attention_rows(report.get("attention")) + [""]
+              + kv_rows(report.get("kv_cache")))
     return "\n".join(lines + [""] + tables)
 
 
