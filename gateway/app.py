@@ -20,6 +20,7 @@ from gateway.console import console_router
 from gateway.controllers.admin import AdminController
 from gateway.controllers.audit import AuditController
 from gateway.controllers.health import healthz, metrics, readyz
+from gateway.controllers.models_admin import ModelsAdminController, model_route_history
 from gateway.controllers.openai import OpenAIController
 from gateway.deps import provide_principal, provide_runtime, provide_session
 from gateway.errors import exception_handlers
@@ -50,8 +51,8 @@ class GatewayPlugin(InitPluginProtocol):
 
     def _configure_routes(self, cfg: AppConfig) -> None:
         cfg.route_handlers.extend(
-            [OpenAIController, AdminController, AuditController, healthz, readyz, metrics,
-             console_router()]
+            [OpenAIController, AdminController, ModelsAdminController, AuditController, healthz, readyz,
+             metrics, model_route_history, console_router()]
         )
 
     def _configure_dependencies(self, cfg: AppConfig) -> None:

@@ -48,6 +48,7 @@ class _EngineCollector(Collector):
         yield CounterMetricFamily(
             "kvgate_engine_failed_requests", "Requests those steps failed (each a 503 engine_unavailable)",
             value=getattr(s, "num_failed_requests", 0))
+        yield from _cache_counters(s)
         yield from _tenant_gauges(getattr(s, "tenants", {}))
 
 
@@ -67,6 +68,20 @@ def _tenant_gauges(tenants: dict[bytes, dict[str, int]]) -> Iterator[GaugeMetric
         yield family
 
 
+def _cache_counters(s: Any) -> Iterator[CounterMetricFamily]:
+    """What preemption and eviction cost the prefix cache, since the engine process started."""
+    yield CounterMetricFamily(
+        "kvgate_engine_recomputed_tokens", "Tokens preempted sequences had computed and computed again "
+        "on resuming (their cached blocks were evicted meanwhile)",
+        value=getattr(s, "num_recomputed_tokens", 0))
+    yield CounterMetricFamily(
+        "kvgate_prefix_cache_evictions", "Cached KV blocks evicted for new ones",
+        value=getattr(s, "num_cache_evictions", 0))
+    yield CounterMetricFamily(
+        "kvgate_prefix_cache_guarded_evictions", "Evicted cached blocks that their namespace's guaranteed "
+        "share covered (every namespace was within its share)", value=getattr(s, "num_guarded_evictions", 0))
+
+
 class _AdmissionCollector(Collector):
     """The engine gate's places (``gateway.services.overload``), read at scrape time."""
 
@@ -83,10 +98,41 @@ class _AdmissionCollector(Collector):
                                 value=g.drain_per_second())
 
 
+class _UpstreamCollector(Collector):
+    """Each upstream replica's state, read at scrape time from the route table."""
+
+    def __init__(self, get_routes: Callable[[], Any]) -> None:
+        self._get_routes = get_routes
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        routes = self._get_routes()
+        targets = {} if routes is None else routes.targets
+        labels = ["model", "replica"]
+        outstanding = GaugeMetricFamily("kvgate_upstream_outstanding_requests", "Requests a replica holds",
+                                        labels=labels)
+        healthy = GaugeMetricFamily("kvgate_upstream_healthy", "1 when a replica's health check passes",
+                                    labels=labels)
+        is_open = GaugeMetricFamily("kvgate_upstream_breaker_open", "1 while a replica's breaker is open "
+                                    "or half-open", labels=labels)
+        opens = CounterMetricFamily("kvgate_upstream_breaker_opens", "Times a replica's breaker opened",
+                                    labels=labels)
+        retries = CounterMetricFamily("kvgate_upstream_retries", "Requests sent again to another replica "
+                                      "(the first failed before any byte)", labels=["model"])
+        for name, target in targets.items():
+            for r in target.pool.replicas.replicas:
+                outstanding.add_metric([name, r.url], r.num_outstanding)
+                healthy.add_metric([name, r.url], int(r.is_healthy))
+                is_open.add_metric([name, r.url], int(r.state != "closed"))
+                opens.add_metric([name, r.url], r.num_breaker_opens)
+            retries.add_metric([name], target.pool.num_retries)
+        yield from (outstanding, healthy, is_open, opens, retries)
+
+
 class GatewayMetrics:
     """One registry per app, so several apps (tests, two instances) never collide."""
 
-    def __init__(self, get_engine: Callable[[], Any], gate: Any = None) -> None:
+    def __init__(self, get_engine: Callable[[], Any], gate: Any = None,
+                 get_routes: Callable[[], Any] | None = None) -> None:
         self.registry = CollectorRegistry()
         self.requests = Counter(
             "kvgate_requests",
@@ -108,7 +154,15 @@ class GatewayMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=self.registry,
         )
+        self.upstream_requests = Counter(
+            "kvgate_upstream_requests", "Requests a replica of an upstream pool answered",
+            ["model", "replica"], registry=self.registry)
+        self.upstream_usage_disagreements = Counter(
+            "kvgate_upstream_usage_disagreements", "Requests whose upstream counted the prompt over 1% "
+            "away from admission's count (settled with the upstream's)", ["model"], registry=self.registry)
         self.registry.register(_EngineCollector(get_engine))
+        if get_routes is not None:
+            self.registry.register(_UpstreamCollector(get_routes))
         if gate is not None:
             self.registry.register(_AdmissionCollector(gate))
 

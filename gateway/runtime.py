@@ -24,6 +24,8 @@ from gateway.services.slots import Slots
 from gateway.settings import Settings
 from gateway.storage.db import make_db_engine, make_sessionmaker
 from gateway.storage.txn import TxnRunner
+from gateway.upstream.call import SALT_LABEL
+from gateway.upstream.table import RouteTable
 
 log = structlog.get_logger()
 
@@ -50,6 +52,8 @@ class Runtime:
     token_text: TokenText = field(init=False)
     segments: SegmentCache = field(init=False)  # a chat's pieces seen before, per namespace
     retention: RetentionStore = field(init=False)
+    routes: RouteTable = field(init=False)  # the served models' upstream pools
+    salt_key: bytes = field(init=False)  # keys the cache salts sent upstream
     # Set once the requests still running at a shutdown are being ended (``end_in_flight``).
     is_shutting_down: bool = field(init=False, default=False)
     _lease_task: asyncio.Task | None = field(init=False, default=None)
@@ -68,7 +72,11 @@ class Runtime:
         s = self.settings
         self.overload = EngineGate(s.max_num_seqs, s.max_num_seqs if s.max_queued_requests is None
                                    else s.max_queued_requests)
-        self.metrics = GatewayMetrics(lambda: self.engine, self.overload)
+        self.metrics = GatewayMetrics(lambda: self.engine, self.overload, lambda: self.routes)
+        from gateway.services.routes import SEALING_LABEL
+
+        self.routes = RouteTable(self.sessionmaker, self.hasher.derive(SEALING_LABEL))
+        self.salt_key = self.hasher.derive(SALT_LABEL)
 
     async def start(self, *, has_custom_sink: bool) -> None:
         if self.settings.audit_enabled and not has_custom_sink:
@@ -84,6 +92,7 @@ class Runtime:
         if num_purged:
             await self.audit.emit("retention.purged", required=False, actor="system", num_deleted=num_purged)
         self._start_engine()
+        await self.routes.start()
 
     def _start_engine(self) -> None:
         if self.engine is None:
@@ -136,6 +145,7 @@ class Runtime:
         if self._lease_task is not None:
             self._lease_task.cancel()
             self._lease_task = None
+        await self.routes.close()
         if self.owns_engine and self.engine is not None:
             self.engine.shutdown()
             self.engine = None

@@ -66,6 +66,10 @@ class Hasher:
     def verify(self, key_id: str, secret: str, stored_hash: str) -> bool:
         return hmac.compare_digest(self.hash(key_id, secret), stored_hash)
 
+    def derive(self, label: bytes) -> bytes:
+        """A 32-byte key for one purpose (``label``), from the pepper every replica shares."""
+        return hmac.digest(self._pepper, b"kvgate derive:" + label, "sha256")
+
 
 class UnsafeSecretPath(Exception):
     """A secret's file or directory that kvgate will not use as it is; the message says what to change."""

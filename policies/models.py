@@ -42,6 +42,11 @@ class Policy(BaseModel):
         allow_tools: Requests may declare ``tools``.
         max_schema_bytes: Largest JSON schema (a ``response_format``'s, ``guided_json``, each tool's
             parameters), in bytes as compact JSON; ``None``: the server's cap (64 KiB) alone.
+        trust_cache_salt: Requests may send a ``cache_salt``, mixed into their prefix-cache namespace.
+            Only for a kvgate in front of this one: its tenants' namespaces arrive as salts, so each keeps
+            a cache of its own here. Off, a request with a ``cache_salt`` is refused.
+        allow_shared_upstream_cache: Requests may be routed to an upstream pool marked ``shared_cache``,
+            whose prefix cache the gateway cannot scope (its other users' prompts may warm it).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -66,6 +71,8 @@ class Policy(BaseModel):
     allow_structured_outputs: bool = True
     allow_tools: bool = True
     max_schema_bytes: PositiveInt | None = None
+    trust_cache_salt: bool = False
+    allow_shared_upstream_cache: bool = False
 
     @model_validator(mode="after")
     def _check_consistent(self) -> Policy:

@@ -11,6 +11,7 @@ from litestar.types import Receive, Scope, Send
 from gateway.asgi_io import ClientGone, read_body, send_reply
 from gateway.auth import DEFER_AUTH_AUDIT
 from gateway.body import parse_body
+from gateway.errors import NotFound
 from gateway.guards import requires_tenant
 from gateway.openapi import Body, Reply, route_doc
 from gateway.runtime import Runtime
@@ -24,6 +25,8 @@ from gateway.schemas.responses import (
     TextCompletionChunk,
 )
 from gateway.services import completions
+from gateway.services.keys import Principal
+from gateway.services.tenants import current_policy
 
 
 async def _complete(
@@ -46,16 +49,22 @@ async def _complete(
         await send_reply(reply, receive, send, runtime.settings.stream_stall_timeout_s)
 
 
-def _model_card(runtime: Runtime) -> dict[str, Any]:
-    engine = runtime.engine
+def _model_card(name: str, modes: list[str]) -> dict[str, Any]:
     # Extension: the determinism modes a request may name here (the tenant's policy may narrow them).
-    return {
-        "id": engine.model_name,
-        "object": "model",
-        "created": 0,
-        "owned_by": "kvgate",
-        "determinism_modes": list(engine.determinism.modes),
-    }
+    return {"id": name, "object": "model", "created": 0, "owned_by": "kvgate", "determinism_modes": modes}
+
+
+async def _model_cards(runtime: Runtime, principal: Principal) -> list[dict[str, Any]]:
+    """The built-in engine's model, then the routed ones, that the key's policy allows."""
+    policy = principal.policy
+    if policy is None:
+        async with runtime.sessionmaker() as session:
+            policy = await current_policy(session, principal.tenant_id, runtime.settings.default_policy)
+    engine = runtime.engine
+    cards = [_model_card(engine.model_name, list(engine.determinism.modes))]
+    cards += [_model_card(name, ["fast"]) for name in sorted(runtime.routes.targets)]
+    allowed = policy.allowed_models
+    return [c for c in cards if allowed is None or c["id"] in allowed]
 
 
 def _completion_opt(request: type, whole: type, chunk: type) -> dict[str, Any]:
@@ -114,31 +123,29 @@ class OpenAIController(Controller):
 
     @get(
         "/models",
-        sync_to_thread=False,
-        opt=route_doc(responses={200: Reply("The served model.", (Body(ModelList),))}),
+        opt=route_doc(responses={200: Reply("The models this key may call.", (Body(ModelList),))}),
     )
-    def list_models(self, runtime: Runtime) -> dict[str, Any]:
-        """List the served model.
+    async def list_models(self, runtime: Runtime, principal: Principal) -> dict[str, Any]:
+        """List the models this key may call: the built-in engine's and the upstream pools' routes, as
+        the tenant's ``allowed_models`` narrows them.
 
         Returns:
             An OpenAI ``list`` of ``model`` objects; ``determinism_modes`` (extension) names the modes
-            this server can run.
+            each can run.
         """
-        return {"object": "list", "data": [_model_card(runtime)]}
+        return {"object": "list", "data": await _model_cards(runtime, principal)}
 
     @get(
         "/models/{model_id:path}",
-        sync_to_thread=False,
         opt=route_doc(responses={200: Reply("The model.", (Body(ModelCard),))}),
     )
-    def get_model(self, runtime: Runtime, model_id: str) -> dict[str, Any]:
+    async def get_model(self, runtime: Runtime, principal: Principal, model_id: str) -> dict[str, Any]:
         """Retrieve one model.
 
         Raises:
-            NotFound: Not the served model.
+            NotFound: Not a model this key may call.
         """
-        from gateway.errors import NotFound
-
-        if model_id.lstrip("/") != runtime.engine.model_name:
-            raise NotFound("The model does not exist.", code="model_not_found", param="model")
-        return _model_card(runtime)
+        for card in await _model_cards(runtime, principal):
+            if card["id"] == model_id.lstrip("/"):
+                return card
+        raise NotFound("The model does not exist.", code="model_not_found", param="model")

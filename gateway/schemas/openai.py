@@ -104,6 +104,8 @@ class _SamplingFields(_Strict):
     guided_regex: str | None = Field(default=None, min_length=1, max_length=16_384)  # extension
     guided_choice: Annotated[list[_Choice], Field(min_length=1, max_length=1024)] | None = None  # extension
     guided_grammar: str | None = Field(default=None, min_length=1, max_length=65_536)  # extension
+    # Extension, as vLLM's: accepted only from keys whose policy has ``trust_cache_salt`` (a front kvgate).
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
 
     @field_validator("guided_json")
     @classmethod

@@ -12,7 +12,7 @@ from typing import Any
 from audit.context import bind_request_context, register_sensitive
 from engine import SamplingParams, TenantShare
 from gateway.audit_hook import AuditUnavailableError, DeferredEvent, chain_steps
-from gateway.errors import InvalidRequest, NotFound, PolicyViolation
+from gateway.errors import InvalidRequest, PolicyViolation
 from gateway.runtime import Runtime
 from gateway.schemas.openai import ChatCompletionRequest, CompletionRequest
 from gateway.services import retention
@@ -32,6 +32,8 @@ from gateway.services.sampling import sampling_params
 from gateway.services.structured import check_compiles, constraint
 from gateway.services.tenants import current_policy
 from gateway.services.tools import ToolMode
+from gateway.upstream.call import UPSTREAM_MODES, UpstreamCall, check_cache_fields, find_target, prepare
+from gateway.upstream.table import Target
 from policies import Decision, Policy, RequestContext, evaluate
 
 __all__ = ["Admission", "admit", "chat_token_ids", "text_token_ids", "tokenize"]
@@ -62,6 +64,7 @@ class Admission:
     place: EnginePlace | None = None  # in the engine gate, given back when the request's settlement starts
     share: TenantShare | None = None  # the tenant's account in the engine's fair share
     tools: ToolMode | None = None  # how tool calls are read out of the reply (chat with tools only)
+    upstream: UpstreamCall | None = None  # the request for the model's upstream pool; None: the engine
 
     def __repr__(self) -> str:  # lengths only, never the prompt
         return (
@@ -86,10 +89,12 @@ def _share(rt: Runtime, principal: Principal, policy: Policy) -> TenantShare:
     return TenantShare((principal.tenant_id or "").encode(), policy.share, min(caps) if caps else None)
 
 
-def _namespace(decision: Decision, principal: Principal) -> bytes:
-    """The engine's prefix-cache namespace: the sharer's, or one of the request's own."""
+def _namespace(decision: Decision, principal: Principal, salt: str | None) -> bytes:
+    """The engine's prefix-cache namespace: the sharer's, or one of the request's own; a ``cache_salt``
+    (from a trusted front gateway) divides it further."""
     sharer = _sharer(decision.cache_scope, principal)
-    return b"r:" + secrets.token_bytes(16) if sharer is None else sharer.encode()
+    namespace = b"r:" + secrets.token_bytes(16) if sharer is None else sharer.encode()
+    return namespace if salt is None else namespace + b"|s:" + salt.encode()
 
 
 def _check_mode_available(engine: Any, mode: str, requested: str | None) -> None:
@@ -112,14 +117,13 @@ def _check_mode_available(engine: Any, mode: str, requested: str | None) -> None
 
 
 async def _policy(
-    rt: Runtime, principal: Principal, req: ChatCompletionRequest | CompletionRequest
+    rt: Runtime, principal: Principal, req: ChatCompletionRequest | CompletionRequest, target: Target | None
 ) -> Policy:
-    if req.model != rt.engine.model_name:
-        raise NotFound(f"The model '{req.model[:64]}' does not exist.", code="model_not_found", param="model")
     policy = principal.policy  # read with the key, in the same query
     if policy is None:
         async with rt.sessionmaker() as session:
             policy = await current_policy(session, principal.tenant_id, rt.settings.default_policy)
+    check_cache_fields(req, policy, target)
     return policy
 
 
@@ -130,36 +134,40 @@ def _max_prompt_tokens(policy: Policy, max_model_len: int) -> int:
 
 
 async def _prompt_ids(
-    rt: Runtime, principal: Principal, policy: Policy, req: ChatCompletionRequest | CompletionRequest
+    rt: Runtime, principal: Principal, policy: Policy, req: ChatCompletionRequest | CompletionRequest,
+    model: Any,
 ) -> list[int]:
-    """The prompt's token ids, after a byte cap that refuses what cannot fit without tokenizing it; long
-    prompts are tokenized on the bounded pool."""
-    engine, settings = rt.engine, rt.settings
-    bytes_per_token = settings.max_prompt_bytes_per_token or longest_token_bytes(engine.tokenizer)
-    check_prompt_bytes(req, _max_prompt_tokens(policy, engine.max_model_len), bytes_per_token)
+    """The prompt's token ids with ``model``'s tokenizer (the engine, or an upstream ``Target``), after a
+    byte cap that refuses what cannot fit without tokenizing it; long prompts go to the bounded pool."""
+    settings = rt.settings
+    bytes_per_token = settings.max_prompt_bytes_per_token or longest_token_bytes(model.tokenizer)
+    check_prompt_bytes(req, _max_prompt_tokens(policy, model.max_model_len), bytes_per_token)
     pool = tokenize_pool(settings.tokenize_threads, settings.tokenize_queue)
     sharer = _sharer(policy.prefix_cache_scope, principal)  # tokenized pieces are shared as KV blocks are
-    return await tokenize(engine.tokenizer, req, rt.segments, sharer, pool)
+    segments = rt.segments if model is rt.engine else model.segments
+    return await tokenize(model.tokenizer, req, segments, sharer, pool)
 
 
 async def _decide(
-    rt: Runtime, principal: Principal, policy: Policy, req: ChatCompletionRequest | CompletionRequest
+    rt: Runtime, principal: Principal, policy: Policy, req: ChatCompletionRequest | CompletionRequest,
+    target: Target | None,
 ) -> tuple[list[int], Decision]:
-    engine = rt.engine
-    prompt_ids = await _prompt_ids(rt, principal, policy, req)
+    model = rt.engine if target is None else target
+    prompt_ids = await _prompt_ids(rt, principal, policy, req, model)
     ctx = RequestContext(
         model=req.model,
         num_prompt_tokens=len(prompt_ids),
         max_tokens=req.requested_max_tokens,
         n=req.n,
-        max_model_len=engine.max_model_len,
+        max_model_len=model.max_model_len,
         determinism=req.determinism,
     )
     decision = evaluate(policy, ctx)
     if decision.violation is not None:
         v = decision.violation
         raise PolicyViolation(v.message, status=v.status, code=v.code, param=v.param)
-    _check_mode_available(engine, decision.determinism, req.determinism)
+    _check_mode_available(rt.engine if target is None else UPSTREAM_MODES, decision.determinism,
+                          req.determinism)
     return prompt_ids, decision
 
 
@@ -251,15 +259,19 @@ async def admit(
     # From here on every log line carries the request id, and the prompt is scrubbed wherever it shows up.
     bind_request_context(request_id=request_id)
     register_sensitive(*retention.prompt_texts(req))
-    policy = await _policy(rt, principal, req)
+    target = find_target(rt.routes, rt.engine.model_name, req.model)
+    policy = await _policy(rt, principal, req, target)
     found = constraint(req, policy, principal.tenant_id or "")  # the policy's feature checks: cheap, first
     hold = rt.quota.gate.take(principal.tenant_id, policy, time.time(), rt.overload.tenant_wait_s)
     place = None
     try:
-        place = rt.overload.take()  # after the tenant's own limits: over them, the answer is its 429
-        prompt_ids, decision = await _decide(rt, principal, policy, req)
-        await check_compiles(rt.engine.tokenizer, found)
-        params = sampling_params(req, decision, len(rt.engine.tokenizer), found.structured)
+        if target is None:  # an upstream pool has no place to give: its servers queue or answer 503
+            place = rt.overload.take()  # after the tenant's own limits: over them, the answer is its 429
+        prompt_ids, decision = await _decide(rt, principal, policy, req, target)
+        if target is None:  # an upstream compiles its own constraints
+            await check_compiles(rt.engine.tokenizer, found)
+        tokenizer = rt.engine.tokenizer if target is None else target.tokenizer
+        params = sampling_params(req, decision, len(tokenizer), found.structured)
         fields = _admitted_fields(request_id, principal, req.model, len(prompt_ids), decision)
         if found.features:
             fields["features"] = list(found.features)
@@ -270,6 +282,11 @@ async def admit(
         if place is not None:
             place.give(is_finished=False)
         raise
+    namespace = _namespace(decision, principal, req.cache_salt)
+    upstream = None if target is None else prepare(
+        target, req, kind, decision.max_tokens, namespace, prompt_ids, rt.salt_key,
+        policy.allow_shared_upstream_cache)
+    fingerprint = None if target is not None else rt.engine.determinism.fingerprints[decision.determinism]
     return Admission(
         request_id,
         kind,
@@ -277,7 +294,7 @@ async def admit(
         req.model,
         prompt_ids,
         params,
-        _namespace(decision, principal),
+        namespace,
         decision.priority,
         reservation,
         info.headers(),
@@ -285,8 +302,9 @@ async def admit(
         retain_days=policy.prompt_retention_days,
         retained_prompt=retention.retained_prompt(req) if policy.prompt_retention_days else None,
         prompt_hash=prompt_hash,
-        system_fingerprint=rt.engine.determinism.fingerprints[decision.determinism],
+        system_fingerprint=fingerprint,
         place=place,
-        share=_share(rt, principal, policy),
+        share=None if target is not None else _share(rt, principal, policy),
         tools=found.tools,
+        upstream=upstream,
     )

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import structlog
@@ -27,9 +28,20 @@ from gateway.services.admission import Admission, admit
 from gateway.services.keys import Principal
 from gateway.services.settlement import Progress, finish, finish_soon, until_committed
 from gateway.tool_calls import CallParser
+from gateway.upstream import backend as upstream_backend
 
 log = structlog.get_logger()
 ENGINE_RETRY_AFTER_S = 5  # about a restarted engine's start-up on the default model
+
+
+@dataclass(frozen=True, slots=True)
+class Backend:
+    """What generates for an admitted request: a whole reply, or a stream whose head is ready. Both
+    settle through ``settlement.finish`` with a ``Progress``, so admission, quota, audit and settlement
+    are one code path whatever generates."""
+
+    run_whole: Callable[[Runtime, Admission], Awaitable[WholeReply]]
+    open_stream: Callable[[Runtime, Admission, bool], Awaitable[StreamReply]]
 
 
 def _start(rt: Runtime, adm: Admission) -> AsyncGenerator[Any, None]:
@@ -226,10 +238,16 @@ async def handle(
     the request's usage once sent (``gateway.asgi_io.send_reply``). With the connection's ``receive``,
     a whole response's generation is aborted (and settled) when its client leaves: ``None`` then."""
     adm = await _admit_audited(rt, principal, req, kind, auth_event)
+    backend = BUILTIN if adm.upstream is None else UPSTREAM
     if not req.stream:
         if receive is None:
-            return await _run_whole(rt, adm)
-        return await unless_client_leaves(_run_whole(rt, adm), receive)
+            return await backend.run_whole(rt, adm)
+        return await unless_client_leaves(backend.run_whole(rt, adm), receive)
+    return await backend.open_stream(rt, adm, req.include_usage)
+
+
+async def _open_stream(rt: Runtime, adm: Admission, include_usage: bool) -> StreamReply:
+    """A streamed reply from the engine: started, and its first output in, before the head is sent."""
     progress = Progress()
     try:
         gen, first = await _first(rt, adm, progress)
@@ -239,7 +257,11 @@ async def handle(
         raise
     headers = adm.headers | {"cache-control": "no-cache", "x-accel-buffering": "no"}
     return StreamReply(
-        _stream(rt, adm, gen, first, progress, req.include_usage),
+        _stream(rt, adm, gen, first, progress, include_usage),
         headers,
         lambda: finish(rt, adm, progress),
     )
+
+
+BUILTIN = Backend(_run_whole, _open_stream)
+UPSTREAM = Backend(upstream_backend.run_whole, upstream_backend.open_stream)

@@ -40,6 +40,9 @@ class Progress:
         self.is_done = False
 
     def usage(self, adm: Admission) -> tuple[int, int, int]:
+        reported = getattr(self.last, "usage", None)  # an upstream server's own count
+        if reported is not None:
+            return reported
         num_completion = 0 if self.last is None else sum(len(o.token_ids) for o in self.last.outputs)
         num_cached = 0 if self.last is None else self.last.num_cached_tokens
         return len(adm.prompt_token_ids), num_completion, num_cached
@@ -127,7 +130,7 @@ def _is_finished(tenant_id: str | None, request_id: str, conn: Connection) -> bo
 async def finish(rt: Runtime, adm: Admission, progress: Progress) -> None:
     """Settle, record metrics and audit. Shielded: it must complete even when the client went away."""
     with anyio.CancelScope(shield=True):
-        if not progress.is_done:
+        if not progress.is_done and adm.upstream is None:  # an upstream's stream is closed by its reader
             rt.engine.abort(adm.request_id)  # on its way before any later request's add
         if adm.place is not None:
             adm.place.give()

@@ -96,3 +96,22 @@ class TenantInFlight(Base):
         ForeignKey("gateway_instances.id", ondelete="CASCADE"), primary_key=True
     )
     num_in_flight: Mapped[int] = mapped_column(Integer, default=0)
+
+
+class ModelRoute(Base):
+    """One version of a served model's route to an upstream pool; the newest version of a name is current
+    (``is_deleted`` on it: the name is not served). Versions are never changed, as policies are not."""
+
+    __tablename__ = "model_routes"
+    __table_args__ = (UniqueConstraint("name", "version"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    name: Mapped[str] = mapped_column(String(256), index=True)
+    version: Mapped[int] = mapped_column(Integer)
+    body: Mapped[str] = mapped_column(Text)  # UpstreamRoute JSON, never the upstream's API key
+    # The upstream's API key, AES-256-GCM under a key derived from the pepper; base64, or NULL for none.
+    api_key_sealed: Mapped[str | None] = mapped_column(Text, nullable=True)
+    is_deleted: Mapped[bool] = mapped_column(Boolean, default=False)
+    changed_by: Mapped[str] = mapped_column(String(64))
+    comment: Mapped[str] = mapped_column(String(512), default="")
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))

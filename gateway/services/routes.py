@@ -1,0 +1,150 @@
+"""Model routes to upstream pools: versioned, each change committed with its audit event; upstream API
+keys sealed at rest and never returned."""
+
+from __future__ import annotations
+
+import base64
+import os
+from functools import lru_cache
+
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from sqlalchemy import func, select
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from gateway.clock import as_utc, utcnow
+from gateway.errors import Conflict, InvalidRequest, NotFound
+from gateway.schemas.routes import RouteOut, RoutePut, UpstreamRoute
+from gateway.services.admin_audit import AdminActor
+from gateway.storage.models import ModelRoute
+
+ROUTE_CHANGED = "admin.model_route_changed"
+ROUTE_DELETED = "admin.model_route_deleted"
+_NONCE = 12
+
+
+# The upstream keys' AES-256 key derives from the pepper, which every replica of a deployment shares (key
+# hashes need it too), so any replica opens what another sealed: ``Hasher.derive(SEALING_LABEL)``.
+SEALING_LABEL = b"upstream api keys v1"
+
+
+def seal_api_key(key: bytes, name: str, api_key: str) -> str:
+    """``api_key`` sealed for the route ``name`` (bound to it: a sealed key moved to another route fails)."""
+    nonce = os.urandom(_NONCE)
+    sealed = AESGCM(key).encrypt(nonce, api_key.encode(), name.encode())
+    return base64.b64encode(nonce + sealed).decode()
+
+
+def open_api_key(key: bytes, name: str, sealed: str) -> str:
+    raw = base64.b64decode(sealed)
+    return AESGCM(key).decrypt(raw[:_NONCE], raw[_NONCE:], name.encode()).decode()
+
+
+@lru_cache(maxsize=1024)
+def parse_route(body: str) -> UpstreamRoute:
+    """Parse a stored route; cached, as a version's body never changes."""
+    return UpstreamRoute.model_validate_json(body)
+
+
+def route_to_schema(row: ModelRoute) -> RouteOut:
+    return RouteOut(
+        name=row.name,
+        version=row.version,
+        route=None if row.is_deleted else parse_route(row.body),
+        has_api_key=row.api_key_sealed is not None,
+        changed_by=row.changed_by,
+        comment=row.comment,
+        created_at=as_utc(row.created_at),
+    )
+
+
+async def _latest(session: AsyncSession, name: str) -> ModelRoute | None:
+    stmt = select(ModelRoute).where(ModelRoute.name == name).order_by(ModelRoute.version.desc()).limit(1)
+    return (await session.scalars(stmt)).first()
+
+
+async def current_routes(session: AsyncSession) -> list[ModelRoute]:
+    """Every name's newest version that is not a deletion."""
+    newest = (
+        select(ModelRoute.name, func.max(ModelRoute.version).label("version"))
+        .group_by(ModelRoute.name)
+        .subquery()
+    )
+    stmt = (
+        select(ModelRoute)
+        .join(newest, (ModelRoute.name == newest.c.name) & (ModelRoute.version == newest.c.version))
+        .where(ModelRoute.is_deleted.is_(False))
+        .order_by(ModelRoute.name)
+    )
+    return list(await session.scalars(stmt))
+
+
+async def get_route(session: AsyncSession, name: str) -> RouteOut:
+    row = await _latest(session, name)
+    if row is None or row.is_deleted:
+        raise NotFound("No such model route.", code="model_not_found")
+    return route_to_schema(row)
+
+
+async def route_history(session: AsyncSession, name: str) -> list[RouteOut]:
+    rows = list(await session.scalars(
+        select(ModelRoute).where(ModelRoute.name == name).order_by(ModelRoute.version)))
+    if not rows:
+        raise NotFound("No such model route.", code="model_not_found")
+    return [route_to_schema(r) for r in rows]
+
+
+def _check_version(latest: ModelRoute | None, expected: int | None) -> int:
+    version = 0 if latest is None else latest.version
+    if expected is not None and expected != version:
+        raise Conflict(f"The route is at version {version}, not {expected}.", code="version_conflict")
+    return version
+
+
+async def _append(session: AsyncSession, by: AdminActor, row: ModelRoute, event: str) -> None:
+    session.add(row)
+    try:
+        after = None if row.is_deleted else parse_route(row.body).model_dump(mode="json")
+        await by.commit(session, event, target_type="model_route", target_id=row.name, version=row.version,
+                        after=after, comment=row.comment)
+    except IntegrityError as e:
+        await session.rollback()
+        raise Conflict("The route was changed concurrently; retry.", code="version_conflict") from e
+
+
+async def put_route(
+    session: AsyncSession, by: AdminActor, sealing_key: bytes, name: str, body: RoutePut, engine_model: str
+) -> RouteOut:
+    """Append a version of ``name``'s route (its first creates it).
+
+    Raises:
+        InvalidRequest: ``name`` is the built-in engine's model (400 ``model_reserved``).
+        Conflict: ``expected_version`` is stale, or another writer won the race (409).
+    """
+    if name == engine_model:
+        raise InvalidRequest("The built-in engine's model cannot be routed upstream.", code="model_reserved",
+                             param="name")
+    latest = await _latest(session, name)
+    version = _check_version(latest, body.expected_version)
+    sealed = None if latest is None or latest.is_deleted or body.clear_api_key else latest.api_key_sealed
+    if body.api_key is not None:
+        sealed = seal_api_key(sealing_key, name, body.api_key.get_secret_value())
+    row = ModelRoute(name=name, version=version + 1, body=body.route.model_dump_json(), api_key_sealed=sealed,
+                     is_deleted=False, changed_by=by.id, comment=body.comment, created_at=utcnow())
+    await _append(session, by, row, ROUTE_CHANGED)
+    return route_to_schema(row)
+
+
+async def delete_route(session: AsyncSession, by: AdminActor, name: str, comment: str = "") -> RouteOut:
+    """Stop serving ``name``: a version that deletes it (the history stays).
+
+    Raises:
+        NotFound: No such route, or it is deleted already (404).
+    """
+    latest = await _latest(session, name)
+    if latest is None or latest.is_deleted:
+        raise NotFound("No such model route.", code="model_not_found")
+    row = ModelRoute(name=name, version=latest.version + 1, body=latest.body, api_key_sealed=None,
+                     is_deleted=True, changed_by=by.id, comment=comment, created_at=utcnow())
+    await _append(session, by, row, ROUTE_DELETED)
+    return route_to_schema(row)

@@ -1,0 +1,1 @@
+"""Upstream pools: served models whose requests go to vLLM, SGLang, llama.cpp or another kvgate."""

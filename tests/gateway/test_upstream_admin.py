@@ -1,0 +1,105 @@
+"""Model routes through ``/admin/v1/models`` over SQLite and PostgreSQL: versions, audit, sealed upstream
+keys, bad input as 4xx, ``/v1/models`` per tenant, and ``cache_salt`` only from a trusting policy."""
+
+import pytest
+
+from policies import Policy
+
+from .conftest import open_gateway, tenant_events
+
+
+@pytest.fixture
+async def agw(tmp_path, db_url, llm):
+    async for g in open_gateway(tmp_path, db_url, llm):
+        g.db_url = db_url
+        yield g
+
+
+def _route(tokenizer, **extra):
+    return {"kind": "vllm", "urls": ["http://127.0.0.1:9/v1"], "tokenizer": str(tokenizer),
+            "max_model_len": 2048, **extra}
+
+
+async def test_route_versions_audit_and_sealed_key(agw, tiny_model_dir):
+    c, h = agw.client, agw.admin()
+    secret = "sk-upstream-very-secret-1234"
+    r = await c.put("/admin/v1/models/org/big-model", headers=h,
+                    json={"route": _route(tiny_model_dir), "api_key": secret, "comment": "first"})
+    assert r.status_code == 200, r.text
+    first = r.json()
+    assert first["version"] == 1 and first["has_api_key"] and first["route"]["urls"] == ["http://127.0.0.1:9"]
+    assert secret not in r.text
+    # a new version keeps the key unless told otherwise; a stale expected_version is a 409
+    r = await c.put("/admin/v1/models/org/big-model", headers=h,
+                    json={"route": _route(tiny_model_dir, affinity_blocks=2), "expected_version": 1})
+    assert r.status_code == 200 and r.json()["version"] == 2 and r.json()["has_api_key"]
+    r = await c.put("/admin/v1/models/org/big-model", headers=h,
+                    json={"route": _route(tiny_model_dir), "expected_version": 1})
+    assert r.status_code == 409
+    history = (await c.get("/admin/v1/model-history/org/big-model", headers=h)).json()
+    assert [v["version"] for v in history] == [1, 2] and secret not in str(history)
+    listed = (await c.get("/admin/v1/models", headers=h)).json()
+    assert [m["backend"] for m in listed] == ["engine", "upstream"] and listed[1]["name"] == "org/big-model"
+    assert (await c.get("/admin/v1/models/org/big-model", headers=h)).json()["version"] == 2
+    r = await c.delete("/admin/v1/models/org/big-model", headers=h)
+    assert r.status_code == 200 and r.json()["route"] is None and not r.json()["has_api_key"]
+    assert (await c.get("/admin/v1/models/org/big-model", headers=h)).status_code == 404
+    assert (await c.delete("/admin/v1/models/org/big-model", headers=h)).status_code == 404
+    events = [(n, d) for n, _, d in await tenant_events(agw.db_url, agw.settings.data_dir, None)]
+    names = [n for n, _ in events if n.startswith("admin.model_route")]
+    assert names == ["admin.model_route_changed"] * 2 + ["admin.model_route_deleted"]
+    assert secret not in str(events)
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"route": {"kind": "vllm", "urls": ["ftp://x"], "tokenizer": "t", "max_model_len": 64}}, "urls"),
+    ({"route": {"kind": "nope", "urls": ["http://x"], "tokenizer": "t", "max_model_len": 64}}, "kind"),
+    ({"route": {"kind": "vllm", "urls": [], "tokenizer": "t", "max_model_len": 64}}, "urls"),
+    ({"route": {"kind": "vllm", "urls": ["http://u:p@x"], "tokenizer": "t", "max_model_len": 64}}, "urls"),
+    ({"route": {"kind": "vllm", "urls": ["http://x", "http://x/v1"], "tokenizer": "t",
+                "max_model_len": 64}}, "urls"),
+    ({"route": {"kind": "vllm", "urls": ["http://x"], "tokenizer": "/nowhere", "max_model_len": 64}},
+     "tokenizer"),
+    ({"route": {"kind": "vllm", "urls": ["http://x"], "tokenizer": "t", "max_model_len": 64}, "x": 1}, "x"),
+])
+async def test_bad_routes_are_400(agw, body, param):
+    r = await agw.client.put("/admin/v1/models/m", headers=agw.admin(), json=body)
+    assert r.status_code == 400, r.text
+    assert param in r.text
+
+
+async def test_the_engine_model_cannot_be_routed_and_names_are_checked(agw, tiny_model_dir):
+    c, h = agw.client, agw.admin()
+    engine_model = agw.runtime.engine.model_name
+    r = await c.put(f"/admin/v1/models/{engine_model}", headers=h, json={"route": _route(tiny_model_dir)})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "model_reserved"
+    r = await c.put("/admin/v1/models/bad%20name", headers=h, json={"route": _route(tiny_model_dir)})
+    assert r.status_code == 400
+
+
+async def test_v1_models_lists_what_the_policy_allows(agw, tiny_model_dir):
+    c, h = agw.client, agw.admin()
+    r = await c.put("/admin/v1/models/up-a", headers=h, json={"route": _route(tiny_model_dir)})
+    assert r.is_success
+    engine_model = agw.runtime.engine.model_name
+    _, every = await agw.make_tenant(policy=Policy())
+    _, only = await agw.make_tenant(policy=Policy(allowed_models=("up-a",)))
+    r = await c.get("/v1/models", headers={"Authorization": f"Bearer {every}"})
+    ids = [m["id"] for m in r.json()["data"]]
+    assert ids == [engine_model, "up-a"]
+    auth = {"Authorization": f"Bearer {only}"}
+    assert [m["id"] for m in (await c.get("/v1/models", headers=auth)).json()["data"]] == ["up-a"]
+    assert (await c.get(f"/v1/models/{engine_model}", headers=auth)).status_code == 404
+    assert (await c.get("/v1/models/up-a", headers=auth)).json()["determinism_modes"] == ["fast"]
+
+
+async def test_cache_salt_only_from_a_trusting_policy(agw):
+    engine_model = agw.runtime.engine.model_name
+    _, plain = await agw.make_tenant(policy=Policy())
+    _, front = await agw.make_tenant(policy=Policy(trust_cache_salt=True))
+    body = {"model": engine_model, "prompt": "hello there", "max_tokens": 2, "cache_salt": "abc"}
+    r = await agw.client.post("/v1/completions", json=body, headers={"Authorization": f"Bearer {plain}"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "cache_salt_not_allowed"
+    assert r.json()["error"]["param"] == "cache_salt"
+    r = await agw.client.post("/v1/completions", json=body, headers={"Authorization": f"Bearer {front}"})
+    assert r.status_code == 200, r.text
