@@ -23,7 +23,8 @@ from policies import Policy
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *(ROOT / "docs" / name for name in (
-    "configuration.md", "admin-api.md", "operations.md", "architecture.md", "performance.md", "console.md"))]
+    "configuration.md", "admin-api.md", "operations.md", "architecture.md", "performance.md", "console.md",
+    "deploy.md"))]
 ADMIN_API = ROOT / "docs" / "admin-api.md"
 
 

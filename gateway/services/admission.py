@@ -174,17 +174,10 @@ async def _decide(
 def _admitted_fields(
     request_id: str, principal: Principal, model: str, num_prompt: int, decision: Decision
 ) -> dict[str, Any]:
-    return {
-        "request_id": request_id,
-        "tenant_id": principal.tenant_id,
-        "key_id": principal.key_id,
-        "model": model,
-        "num_prompt_tokens": num_prompt,
-        "num_reserved_tokens": decision.num_reserved_tokens,
-        "priority": decision.priority,
-        "max_tokens": decision.max_tokens,
-        "determinism": decision.determinism,
-    }
+    d = decision
+    return {"request_id": request_id, "tenant_id": principal.tenant_id, "key_id": principal.key_id,
+            "model": model, "num_prompt_tokens": num_prompt, "num_reserved_tokens": d.num_reserved_tokens,
+            "priority": d.priority, "max_tokens": d.max_tokens, "determinism": d.determinism}
 
 
 async def _reserve_audited(
@@ -288,17 +281,8 @@ async def admit(
         policy.allow_shared_upstream_cache)
     fingerprint = None if target is not None else rt.engine.determinism.fingerprints[decision.determinism]
     return Admission(
-        request_id,
-        kind,
-        principal,
-        req.model,
-        prompt_ids,
-        params,
-        namespace,
-        decision.priority,
-        reservation,
-        info.headers(),
-        int(time.time()),
+        request_id, kind, principal, req.model, prompt_ids, params, namespace, decision.priority, reservation,
+        info.headers(), int(time.time()),
         retain_days=policy.prompt_retention_days,
         retained_prompt=retention.retained_prompt(req) if policy.prompt_retention_days else None,
         prompt_hash=prompt_hash,

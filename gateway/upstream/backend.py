@@ -206,7 +206,11 @@ async def run_whole(rt: Runtime, adm: Admission) -> WholeReply:
     relay = _Relay(rt, adm, progress, include_usage=True)
     try:
         opened = await _open(rt, adm.upstream, adm)
-        parts = [p async for p in _stream(relay, opened, adm.upstream.target)]
+        gen = _stream(relay, opened, adm.upstream.target)
+        try:
+            parts = [p async for p in gen]
+        finally:  # closed now, not when collected, if the client left (the reply is cancelled)
+            await gen.aclose()
         if not progress.is_done:
             raise unavailable(adm, RuntimeError("the upstream stream broke"))
         await until_committed(adm)
