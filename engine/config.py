@@ -31,10 +31,13 @@ class EngineConfig:
             lossy) or ``off``.
         int4_max_rows: The most tokens in a step that uses the 4-bit copies.
         fixed_mmap_threshold: In the engine's own process (``kvgate serve``'s child), fix glibc's mmap
-            threshold (``engine.allocator``) so that large freed blocks go back to the system: RSS then
-            stays flat under ever-changing bfloat16 matmul shapes, but every step maps and faults in its
-            large buffers anew, which cost about 20% of tokens/s on the standard workload (2026-11-26);
-            off by default.
+            threshold (``engine.allocator``) so that large freed blocks go back to the system at once, but
+            every step maps and faults in its large buffers anew, which cost about 20% of tokens/s on the
+            standard workload (2026-11-26); off by default (``heap_trim_interval_s`` holds RSS instead).
+        heap_trim_interval_s: In the engine's own process, hand the heap's free pages back to the system
+            (glibc's ``malloc_trim``; ``engine.allocator.HeapTrimmer``) when the engine goes idle and
+            every this many seconds while it works, so RSS stays flat under ever-changing bfloat16
+            matmul shapes; 0 turns it off.
         fused_decode: Run every layer of a decode-only step on the 4-bit copies in one C++ call (plain
             loops for the norms, RoPE, activation and residuals between ATen's int4 matmuls and the fused
             attention kernel) instead of ~35 torch ops a layer; off runs the same arithmetic op by op.
@@ -83,6 +86,7 @@ class EngineConfig:
     int4_max_rows: int = 8
     fused_decode: bool = True
     fixed_mmap_threshold: bool = False
+    heap_trim_interval_s: float = 5.0
     kv_cache_dtype: str = "auto"
     block_size: int = 16
     kv_cache_memory: int | None = None
@@ -111,6 +115,8 @@ class EngineConfig:
             raise ValueError(f"int4_decode must be one of {_SWITCHES}, got {self.int4_decode!r}")
         if self.int4_max_rows < 0:
             raise ValueError("int4_max_rows must be >= 0")
+        if self.heap_trim_interval_s < 0:
+            raise ValueError("heap_trim_interval_s must be >= 0")
         if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in _DTYPES + _KV_QUANT:
             raise ValueError(f"kv_cache_dtype must be 'auto' or one of {_DTYPES + _KV_QUANT}, "
                              f"got {self.kv_cache_dtype!r}")

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from engine.allocator import fix_mmap_threshold
+from engine.allocator import HeapTrimmer, fix_mmap_threshold
 from engine.config import EngineConfig
 from engine.pipe import FrameReader, FrameWriter, enlarge
 from engine.request import RequestDelta
@@ -155,7 +155,7 @@ def child_main(config: EngineConfig, cmd_conn: Any, out_conn: Any, initializer: 
     out.write(("ready", Ready(engine.model_name, engine.max_model_len, tokenizer_path, summary,
                               engine.stats(namespaces=False))))
     try:
-        _serve(engine, FrameReader(cmd_conn.fileno()), out)
+        _serve(engine, FrameReader(cmd_conn.fileno()), out, HeapTrimmer(config.heap_trim_interval_s))
     except EOFError:
         logger.info("engine process: the gateway closed its pipe; exiting")
     except OSError as e:
@@ -168,10 +168,11 @@ def child_main(config: EngineConfig, cmd_conn: Any, out_conn: Any, initializer: 
             pass  # the parent is gone too
 
 
-def _serve(engine: Any, commands: FrameReader, out: FrameWriter) -> None:
+def _serve(engine: Any, commands: FrameReader, out: FrameWriter, trimmer: HeapTrimmer) -> None:
     has_message, guard = PipePoll(commands.fd), StepGuard(engine)
     while True:
         if not engine.has_unfinished() and not has_message(_POLL_S):
+            trimmer.on_idle()  # the heap's free pages back to the system: see engine.allocator
             continue
         deltas: list[tuple[str, RequestDelta | BaseException]] = []
         is_changed = False
@@ -185,11 +186,14 @@ def _serve(engine: Any, commands: FrameReader, out: FrameWriter) -> None:
                 raise EOFError
             if not cmds:
                 break  # the rest of a frame is on its way: step meanwhile
-        if engine.has_unfinished():
+        has_stepped = engine.has_unfinished()
+        if has_stepped:
             deltas += guard.step()  # a failed request's error in place of its delta
             is_changed = True
         if deltas or is_changed:
             out.write(("out", deltas, engine.stats(namespaces=False)))
+        if has_stepped:
+            trimmer.after_step()  # once the step's outputs are on their way
 
 
 def _handle(engine: Any, cmd: tuple, deltas: list) -> bool:

@@ -37,8 +37,12 @@ class Settings(BaseSettings):
         device: ``cpu`` or ``cuda``.
         num_kv_blocks: Exact KV pool size in blocks (``None``: by memory fraction).
         max_num_seqs: Engine batch limit.
-        engine_fixed_mmap_threshold: Return the engine process's large freed buffers to the system (flat
-            RSS under sustained mixed traffic, about 20% fewer tokens/s; docs/operations.md#soak-test).
+        engine_fixed_mmap_threshold: Return the engine process's large freed buffers to the system at
+            once (about 20% fewer tokens/s; docs/operations.md#soak-test); off, the heap trim below holds
+            its RSS instead.
+        engine_heap_trim_interval_s: Hand the engine process's free heap pages back to the system when it
+            goes idle and every this many seconds while it works (flat RSS under sustained mixed
+            traffic; docs/operations.md#soak-test); 0 turns it off.
         scheduling_policy: ``fair`` (tenants share the engine's batch by their policies' ``share``, the
             default), ``priority`` (by the policies' ``priority`` alone) or ``fcfs``; see
             docs/operations.md#fair-share.
@@ -123,6 +127,7 @@ class Settings(BaseSettings):
     num_kv_blocks: int | None = None
     max_num_seqs: int = 64
     engine_fixed_mmap_threshold: bool = False
+    engine_heap_trim_interval_s: float = Field(default=5.0, ge=0)
     scheduling_policy: Literal["fair", "priority", "fcfs"] = "fair"
     max_queued_requests: int | None = Field(default=None, ge=0)
     max_model_len: int | None = None
@@ -194,6 +199,7 @@ class Settings(BaseSettings):
             num_threads=self.engine_threads,
             scheduling_policy=self.scheduling_policy,
             fixed_mmap_threshold=self.engine_fixed_mmap_threshold,
+            heap_trim_interval_s=self.engine_heap_trim_interval_s,
             determinism_modes=tuple(self.determinism_modes.split(",")),
         )
 

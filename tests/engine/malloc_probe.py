@@ -38,3 +38,29 @@ def is_medium_block_mapped() -> bool:
 def check_fixed() -> None:
     if not is_medium_block_mapped():
         raise RuntimeError("glibc's mmap threshold is not fixed in the engine process")
+
+
+FRAGMENT_MIB = 256  # freed, resident MiB that ``fragment_heap`` leaves inside the heap
+_pinned: list[int] = []  # the live blocks between them (kept for the process's life)
+
+
+def fragment_heap() -> None:
+    """Leave ``FRAGMENT_MIB`` MiB of freed but resident pages inside the heap, each MiB between two live
+    blocks so that the heap cannot shrink from its top: what the engine's per-shape buffers did.
+
+    Module-level: ``ProcessLLMEngine(initializer=fragment_heap)`` runs it in the engine's child process.
+    """
+    libc = ctypes.CDLL("libc.so.6")
+    libc.malloc.restype = ctypes.c_void_p
+    libc.malloc.argtypes = [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+    libc.free(libc.malloc(LARGE))  # glibc's dynamic mmap threshold rises: 1 MiB blocks come from the heap
+    blocks = []
+    for _ in range(FRAGMENT_MIB):
+        block = libc.malloc(MEDIUM)
+        ctypes.memset(block, 1, MEDIUM)  # resident, as a step's buffers are
+        blocks.append(block)
+        # A pin of the same size comes from the heap's top, right after (a small one would fill a hole).
+        _pinned.append(libc.malloc(MEDIUM))
+    for block in blocks:
+        libc.free(block)
