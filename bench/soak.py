@@ -126,7 +126,7 @@ def run_soak(cfg: SoakConfig, settings_overrides: dict, out: str) -> list[RoundR
     with tempfile.TemporaryDirectory(prefix="kvgate-soak-") as tmp:
         settings = Settings(data_dir=Path(tmp), **settings_overrides)
         _, key = asyncio.run(create_tenant_key(settings))
-        server = GatewayServer(settings, ServerVariant("kvgate-serve")).start()
+        server = GatewayServer(settings, ServerVariant("kvgate-serve")).start(timeout_s=600.0)
         try:
             with httpx.Client(base_url=server.base_url, verify=server.verify,
                               headers={"Authorization": f"Bearer {key}"}) as c:

@@ -238,7 +238,7 @@ def run_timed_soak(cfg: TimedSoakConfig, settings_overrides: dict) -> dict:
     record for ``bench.soak_report``."""
     with tempfile.TemporaryDirectory(prefix="kvgate-soak-") as tmp:
         settings = Settings(data_dir=Path(tmp), **settings_overrides)
-        server = GatewayServer(settings, ServerVariant("kvgate-serve")).start()
+        server = GatewayServer(settings, ServerVariant("kvgate-serve")).start(timeout_s=600.0)
         try:
             record = asyncio.run(_soak(cfg, server, _bootstrap(settings.data_dir), settings.max_num_seqs))
         except BaseException:
