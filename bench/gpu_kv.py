@@ -35,12 +35,14 @@ def _margin(top: dict[int, float]) -> float:
 
 def run_kv_quant(model_dir: Path, prompts: list[list[int]], reqs: list[BenchRequest], args,
                  throughput) -> dict:
-    """Each cache kind in turn (``throughput``: ``gpu_bench.run_kvgate_throughput``)."""
+    """Each cache kind in turn (``throughput``: ``gpu_bench.run_kvgate_throughput``). Capacity and tokens/s
+    in the serving dtype; agreement in float32 (a random-weight model in bfloat16 has exact ties among
+    its top logprobs, which no comparison can call)."""
     rows, ref = {}, None
     for kind in KINDS:
         try:
-            engine = kvgate_engine(model_dir, args.device, args.dtype, kv_cache_dtype=kind)
-            row = {"kv_blocks": engine.kv.pool.num_blocks}
+            row = {"kv_blocks": _blocks(model_dir, args, kind)}
+            engine = kvgate_engine(model_dir, args.device, "float32", kv_cache_dtype=kind)
             greedy = greedy_with_margins(engine, prompts, args.new_tokens)
             del engine
             free_memory(args.device)
@@ -56,11 +58,19 @@ def run_kv_quant(model_dir: Path, prompts: list[list[int]], reqs: list[BenchRequ
     return rows
 
 
+def _blocks(model_dir: Path, args, kind: str) -> int:
+    engine = kvgate_engine(model_dir, args.device, args.dtype, kv_cache_dtype=kind, cuda_graphs=False)
+    blocks = engine.kv.pool.num_blocks
+    del engine
+    free_memory(args.device)
+    return blocks
+
+
 def kv_rows(section: dict | None) -> list[str]:
     """The printed table of the section."""
     if not section or "error" in section:
         return [f"kv_cache: {(section or {}).get('error', 'not run')}"]
-    lines = ["| KV cache | blocks in the pool (4 GiB on a GPU) | vs auto | greedy exact vs auto | "
+    lines = ["| KV cache | blocks in the pool (4 GiB on a GPU) | vs auto | greedy exact vs auto (float32) | "
              "tokens before a divergence | max logprob gap | tok/s |", "|---|---:|---:|---:|---:|---:|---:|"]
     for kind, r in section.items():
         if "error" in r:

@@ -29,7 +29,8 @@ def _throughput_rows(report: dict) -> list[str]:
     return rows
 
 
-_ATTENTION_METHODS = ("kvgate", "kvgate_eager", "kvgate_int8", "kvgate_fp8", "triton_rows", "sdpa_contiguous")
+_ATTENTION_METHODS = ("kvgate", "kvgate_eager", "kvgate_int8", "kvgate_int8_nof16", "kvgate_fp8",
+                      "kvgate_fp8_nof16", "triton_rows", "sdpa_contiguous")
 
 
 def _attention_rows(section: dict | None) -> list[str]:
@@ -38,12 +39,12 @@ def _attention_rows(section: dict | None) -> list[str]:
     rows = [f"decode attention, one layer, heads {section['heads']}, {section['dtype']}; device copy "
             f"{section['copy_gbs']:.0f} GB/s (read + write); GB/s over the bytes each method must read, "
             "timed in a CUDA graph except 'eager'",
-            "| batch | ctx | KV MiB | kvgate | kvgate eager | kvgate int8 KV | kvgate fp8 KV | Triton rows | "
-            "SDPA contiguous | kvgate / copy | best swept setting |",
-            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+            "| batch | ctx | KV MiB | kvgate | kvgate eager | int8 KV | int8 KV, bf16 products | fp8 KV | "
+            "fp8 KV, bf16 products | Triton rows | SDPA contiguous | kvgate / copy | best swept setting |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in section["rows"]:
         if "error" in r:
-            rows.append(f"| {r['batch']} | {r['ctx']} | {r['error']} ||||||||")
+            rows.append(f"| {r['batch']} | {r['ctx']} | {r['error']} ||||||||||")
             continue
         cells = [f"{r[m + '_gbs']:.0f}" if m + "_gbs" in r else ("error" if m + "_error" in r else "")
                  for m in _ATTENTION_METHODS]

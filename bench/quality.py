@@ -16,6 +16,9 @@ from bench.workload import standard_workload
 
 CONFIGS = {"float32": {"dtype": "float32"}, "bfloat16": {"dtype": "bfloat16", "int4_decode": "off"},
            "default": {}}
+# 8-bit KV caches in a float32 model: what the cache's quantization alone costs
+KV_CONFIGS = {"int8 KV": {"dtype": "float32", "kv_cache_dtype": "int8"},
+              "fp8 KV": {"dtype": "float32", "kv_cache_dtype": "fp8"}}
 
 
 def _generate(overrides: dict, prompts: list[list[int]], new_tokens: int) -> tuple[str, list]:
@@ -25,7 +28,10 @@ def _generate(overrides: dict, prompts: list[list[int]], new_tokens: int) -> tup
     engine = LLMEngine(EngineConfig(kv_cache_memory=1 << 30, enable_prefix_caching=False,
                                     determinism_modes=("fast",), **overrides))
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True, logprobs=5)
-    return kvgate_label(engine, overrides), engine.generate(prompts, params)
+    label = kvgate_label(engine, overrides)
+    if kv := overrides.get("kv_cache_dtype"):
+        label = label.removesuffix(")") + f", {kv} KV cache)"
+    return label, engine.generate(prompts, params)
 
 
 def compare(ours: list, ref: list) -> dict:
@@ -45,12 +51,15 @@ def compare(ours: list, ref: list) -> dict:
             "near_tie_divergences": near_ties}
 
 
-def run_quality(num_prompts: int, new_tokens: int, out: str, seed: int = 0) -> list[dict]:
+def run_quality(num_prompts: int, new_tokens: int, out: str, seed: int = 0,
+                kv_cache: bool = False) -> list[dict]:
+    """Every configuration's agreement with float32; with ``kv_cache``, the 8-bit KV caches' too."""
     from engine.loader import load_tokenizer, resolve_model_dir
 
     reqs = standard_workload(load_tokenizer(resolve_model_dir(None)), num_prompts, seed, (64, 256))
     prompts = [r.prompt_ids for r in reqs]
-    outputs = {name: _generate(cfg, prompts, new_tokens) for name, cfg in CONFIGS.items()}
+    configs = {**CONFIGS, **(KV_CONFIGS if kv_cache else {})}
+    outputs = {name: _generate(cfg, prompts, new_tokens) for name, cfg in configs.items()}
     ref = outputs["float32"][1]
     rows = [{"config": label, **compare(outs, ref)} for label, outs in outputs.values()]
     Path(out).parent.mkdir(parents=True, exist_ok=True)

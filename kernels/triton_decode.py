@@ -25,10 +25,10 @@ from kernels.kv_quant import QuantizedKV
 
 # The interpreter runs tl.dot on numpy arrays, which have no bfloat16: there every product is float32.
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-TILE = 64  # tokens a program reads per step: four 16-token blocks
+TILE = 128  # tokens a program reads per step: eight 16-token blocks
 MIN_SPLIT_TOKENS = 256  # a span never holds fewer tokens, so short contexts do not pay for empty splits
 MAX_SPLITS = 16
-STAGES = 3  # software pipeline depth of the span loop (Triton's default for a plain loop on CUDA)
+STAGES = 2  # software pipeline depth of the span loop
 
 
 @triton.jit
@@ -37,7 +37,7 @@ def _split_decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, tables_ptr, ctx_pt
                          GROUP: tl.constexpr, GROUP_P2: tl.constexpr, D: tl.constexpr, D_P2: tl.constexpr,
                          BS: tl.constexpr, TILE: tl.constexpr, NUM_SPLITS: tl.constexpr,
                          MIN_SPAN: tl.constexpr, IEEE: tl.constexpr, QUANT: tl.constexpr,
-                         STAGES: tl.constexpr):
+                         STAGES: tl.constexpr, F16: tl.constexpr, IS_INT8: tl.constexpr):
     r = tl.program_id(0)
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
@@ -53,6 +53,8 @@ def _split_decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, tables_ptr, ctx_pt
     heads = kvh * GROUP + g
     q = tl.load(q_ptr + r * sqr + heads[:, None] * sqh + d[None, :], mask=g_ok[:, None] & d_ok[None, :],
                 other=0.0)
+    if F16:
+        q = q.to(tl.float16)
     m_i = tl.full((GROUP_P2,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((GROUP_P2,), dtype=tl.float32)
     acc = tl.zeros((GROUP_P2, D_P2), dtype=tl.float32)
@@ -65,6 +67,9 @@ def _split_decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, tables_ptr, ctx_pt
         kv_mask = ok[:, None] & d_ok[None, :]
         k = tl.load(k_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)  # [TILE, D]
         v = tl.load(v_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if F16:
+            k = _to_f16(k, IS_INT8)
+            v = _to_f16(v, IS_INT8)
         if IEEE:
             s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
@@ -95,6 +100,16 @@ def _split_decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, tables_ptr, ctx_pt
 
 
 @triton.jit
+def _to_f16(x, IS_INT8: tl.constexpr):
+    """8-bit values to float16 for the dot. int8 by the magic-number trick (x + 1152 as float16 bits of
+    1024 + (x + 128), less 1152: integer adds instead of int-to-float conversions, whose throughput
+    bound the kernel); e4m3 by the hardware's packed conversion."""
+    if IS_INT8:
+        return (x.to(tl.int16) + 0x6480).to(tl.uint16).to(tl.float16, bitcast=True) - 1152.0
+    return x.to(tl.float16)
+
+
+@triton.jit
 def _merge_kernel(part_ptr, lse_ptr, o_ptr, spr, sph, sps, slr, slh, sor, soh,
                   NUM_SPLITS: tl.constexpr, S_P2: tl.constexpr, D: tl.constexpr, D_P2: tl.constexpr):
     r = tl.program_id(0)
@@ -114,17 +129,18 @@ def _merge_kernel(part_ptr, lse_ptr, o_ptr, spr, sph, sps, slr, slh, sor, soh,
 
 
 def pick_num_splits(rows: int, num_kv_heads: int, num_sms: int) -> int:
-    """Spans per (row, KV head) so that the grid holds about eight programs per SM (a power of two, at
-    most ``MAX_SPLITS``); each span still holds at least ``MIN_SPLIT_TOKENS``. On an H200 (132 SMs) at
-    64 rows of 3 KV heads and 8k tokens, 8 splits read 2508 GB/s where 4 read 2288 (2026-11-26)."""
-    want = max(1, -(-8 * num_sms // max(1, rows * num_kv_heads)))
+    """Spans per (row, KV head) so that the grid holds about four programs per SM (a power of two, at
+    most ``MAX_SPLITS``); each span still holds at least ``MIN_SPLIT_TOKENS``. On an H200 (132 SMs),
+    2026-11-26, timed in CUDA graphs: 8 splits of 32 rows x 4k tokens read 3114 GB/s where 16 read 2885;
+    at 256 rows x 4k, 1 split 4017 and 2 splits 3964; at 64 x 8k, 4 and 8 splits within 1%."""
+    want = max(1, -(-4 * num_sms // max(1, rows * num_kv_heads)))
     return min(MAX_SPLITS, triton.next_power_of_2(want))
 
 
 def split_decode_attention(query: torch.Tensor, k_cache: torch.Tensor | QuantizedKV,
                            v_cache: torch.Tensor | QuantizedKV, block_tables: torch.Tensor,
                            ctx_lens: torch.Tensor, scale: float, num_splits: int, tile: int = TILE,
-                           num_warps: int = 4, stages: int = STAGES) -> torch.Tensor:
+                           num_warps: int = 4, stages: int = STAGES, f16: bool = True) -> torch.Tensor:
     """One decode query per row over its paged context, split across ``num_splits`` programs per row
     and KV head.
 
@@ -138,6 +154,8 @@ def split_decode_attention(query: torch.Tensor, k_cache: torch.Tensor | Quantize
         num_splits: spans per row and KV head (``pick_num_splits``).
         tile, num_warps, stages: tokens a program reads per step, its warps and its loop's software
             pipeline depth (the defaults are the engine's; `kvgate bench gpu` times others).
+        f16: an 8-bit cache's products in float16 (its values convert to float16 cheaply) rather than
+            in the compute dtype; not used for float32 or dense caches.
 
     Returns:
         [R, num_heads, head_dim] in the cache's dtype (the compute dtype of an 8-bit cache), float32
@@ -161,6 +179,7 @@ def split_decode_attention(query: torch.Tensor, k_cache: torch.Tensor | Quantize
     part = torch.empty((rows, num_heads, num_splits, head_dim), dtype=torch.float32, device=query.device)
     lse = torch.empty((rows, num_heads, num_splits), dtype=torch.float32, device=query.device)
     d_p2 = triton.next_power_of_2(head_dim)
+    ieee = out_dtype == torch.float32 or _INTERPRETED
     # tl.dot needs at least 16 rows: the group's query heads are padded (compute is not what binds here)
     _split_decode_kernel[(rows, num_kv_heads, num_splits)](
         query, kc, vc, ks, vs, block_tables, ctx_lens, part, lse, scale,
@@ -169,7 +188,8 @@ def split_decode_attention(query: torch.Tensor, k_cache: torch.Tensor | Quantize
         lse.stride(0), lse.stride(1),
         GROUP=group, GROUP_P2=max(16, triton.next_power_of_2(group)), D=head_dim, D_P2=max(16, d_p2),
         BS=block_size, TILE=tile, NUM_SPLITS=num_splits, MIN_SPAN=max(MIN_SPLIT_TOKENS, tile),
-        IEEE=out_dtype == torch.float32 or _INTERPRETED, QUANT=quant, STAGES=stages, num_warps=num_warps)
+        IEEE=ieee, QUANT=quant, STAGES=stages, F16=quant and f16 and not ieee,
+        IS_INT8=kc.dtype == torch.int8, num_warps=num_warps)
     _merge_kernel[(rows, num_heads)](
         part, lse, out, part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
         out.stride(0), out.stride(1), NUM_SPLITS=num_splits,

@@ -39,11 +39,12 @@ def bench_quality(
     new_tokens: int = typer.Option(64, help="Greedy tokens per prompt"),
     out: str = typer.Option("bench-results/quality.json", help="Where to write the JSON results"),
     seed: int = typer.Option(0),
+    kv_cache: bool = typer.Option(False, "--kv-cache", help="Also float32 with int8 and fp8 KV caches"),
 ) -> None:
     """The default configuration's and bfloat16's greedy outputs against float32's on the same prompts."""
     from bench.quality import format_table, run_quality
 
-    rows = run_quality(num_prompts, new_tokens, out, seed)
+    rows = run_quality(num_prompts, new_tokens, out, seed, kv_cache)
     typer.echo(format_table(rows))
     typer.echo(f"JSON: {out}")
 

@@ -68,7 +68,8 @@ def test_the_triton_write_of_a_dense_cache_is_index_copy():
     slots = torch.tensor([3, 40, 41, 0, 17, 63, 5, 6, 7])
     k, v = torch.zeros(4, 16, 2, 32, device=DEVICE), torch.zeros(4, 16, 2, 32, device=DEVICE)
     store_kv_triton(key.to(DEVICE), value.to(DEVICE), k, v, slots.to(DEVICE))
-    assert torch.equal(k.view(-1, 2, 32)[slots].cpu(), key) and torch.equal(v.view(-1, 2, 32)[slots].cpu(), value)
+    assert torch.equal(k.view(-1, 2, 32)[slots].cpu(), key)
+    assert torch.equal(v.view(-1, 2, 32)[slots].cpu(), value)
     untouched = torch.ones(64, dtype=torch.bool)
     untouched[slots] = False
     assert not k.view(-1, 2, 32)[untouched.to(DEVICE)].any()
@@ -100,14 +101,30 @@ def test_split_decode_over_an_8bit_cache_is_attention_over_its_dequantized_value
     expected = torch.cat([ref_paged_attention(q[i:i + 1], kd, vd, tables[i].tolist(), n, 0.125)
                           for i, n in enumerate(lens)])
     for splits in (1, 4):
-        out = split_decode_attention(q.to(DEVICE), kq, vq, tables.to(DEVICE), torch.tensor(lens, device=DEVICE),
-                                     0.125, splits)
+        out = split_decode_attention(q.to(DEVICE), kq, vq, tables.to(DEVICE),
+                                     torch.tensor(lens, device=DEVICE), 0.125, splits)
         assert out.dtype == torch.float32
         torch.testing.assert_close(out.cpu(), expected, rtol=2e-5, atol=2e-5)
     # and near attention over the unquantized values (int8: about 1% of a value's range)
     exact = torch.cat([ref_paged_attention(q[i:i + 1], k, v, tables[i].tolist(), n, 0.125)
                        for i, n in enumerate(lens)])
     assert (out.cpu() - exact).abs().max() < (0.05 if kind == "int8" else 0.25)
+
+
+@pytest.mark.parametrize("f16", [True, False])
+@pytest.mark.parametrize("kind", TRITON_KINDS)
+def test_split_decode_over_an_8bit_cache_in_bfloat16(kind, f16):
+    """The serving dtype: products in float16 (int8 by integer tricks) or bfloat16, float32 sums."""
+    lens = [5, 300, 1000]
+    q, k, v, tables = _case(lens, seed=6)
+    kq, vq = _quantized(k, kind, torch.bfloat16), _quantized(v, kind, torch.bfloat16)
+    kd, vd = _dense(kq), _dense(vq)
+    expected = torch.cat([ref_paged_attention(q[i:i + 1], kd, vd, tables[i].tolist(), n, 0.125)
+                          for i, n in enumerate(lens)])
+    out = split_decode_attention(q.to(DEVICE, torch.bfloat16), kq, vq, tables.to(DEVICE),
+                                 torch.tensor(lens, device=DEVICE), 0.125, 4, f16=f16)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float().cpu(), expected, rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.parametrize("kind", ["int8", "fp8"])
