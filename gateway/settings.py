@@ -35,6 +35,10 @@ class Settings(BaseSettings):
         int4_decode: 4-bit layer weights for few-row decode steps: ``auto`` (when the checkpoint's weights
             are 4-bit already, as the default model's are), ``on`` or ``off``.
         device: ``cpu`` or ``cuda``.
+        kv_cache_dtype: The KV pool's dtype: ``auto`` (float32 on the CPU, the model's dtype on a GPU),
+            ``float32``, ``bfloat16``, ``float16``, or 8-bit ``int8`` / ``fp8`` (e4m3, GPUs of compute
+            capability 8.9 and up) with a scale per token and KV head: 1.88x the tokens of a bfloat16
+            pool in the same memory (docs/performance.md#kv-cache-quantization).
         num_kv_blocks: Exact KV pool size in blocks (``None``: by memory fraction).
         max_num_seqs: Engine batch limit.
         engine_fixed_mmap_threshold: Return the engine process's large freed buffers to the system at
@@ -124,6 +128,7 @@ class Settings(BaseSettings):
     dtype: str = "auto"
     int4_decode: str = "auto"
     device: str = "cpu"
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16", "int8", "fp8"] = "auto"
     num_kv_blocks: int | None = None
     max_num_seqs: int = 64
     engine_fixed_mmap_threshold: bool = False
@@ -193,6 +198,7 @@ class Settings(BaseSettings):
             dtype=self.dtype,
             int4_decode=self.int4_decode,
             device=self.device,
+            kv_cache_dtype=self.kv_cache_dtype,
             num_kv_blocks=self.num_kv_blocks,
             max_num_seqs=self.max_num_seqs,
             max_model_len=self.max_model_len,

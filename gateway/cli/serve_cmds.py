@@ -135,6 +135,9 @@ def serve(
         str | None, typer.Option(help="4-bit weights for few-row steps: auto|on|off (KVGATE_INT4_DECODE).")
     ] = None,
     device: Annotated[str | None, typer.Option(help="cpu | cuda.")] = None,
+    kv_cache_dtype: Annotated[
+        str | None, typer.Option(help="auto|float32|bfloat16|float16|int8|fp8 (KVGATE_KV_CACHE_DTYPE).")
+    ] = None,
     determinism_modes: Annotated[
         str | None, typer.Option(help="Modes served, e.g. fast,batch_invariant (KVGATE_DETERMINISM_MODES).")
     ] = None,
@@ -187,6 +190,7 @@ def serve(
         dtype=dtype,
         int4_decode=int4_decode,
         device=device,
+        kv_cache_dtype=kv_cache_dtype,
         determinism_modes=determinism_modes,
         reserved_cpus=reserved_cpus,
         engine_process=engine_process,
