@@ -18,7 +18,8 @@ class Block:
     computed over exactly the same token prefix, even if every hash collided.
     """
 
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "token_ids", "namespace", "entry_id", "parent_entry_id")
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "token_ids", "namespace", "entry_id", "parent_entry_id",
+                 "freed_at")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
@@ -28,6 +29,7 @@ class Block:
         self.namespace: bytes | None = None
         self.entry_id: int | None = None
         self.parent_entry_id: int | None = None
+        self.freed_at = 0  # when it last became evictable (the pool's counter): LRU order across namespaces
 
     def __repr__(self) -> str:
         return f"Block(id={self.block_id}, ref={self.ref_cnt}, cached={self.block_hash is not None})"
@@ -48,13 +50,18 @@ class NamespaceStats:
 class BlockPool:
     """Owns every block. Blocks are either referenced, truly free, or cached-and-evictable (LRU).
 
-    Allocation takes truly free blocks first and evicts the least recently freed cached block only
-    when none are left. Requests free their blocks tail first, so a request's tail is evicted before
-    its head (the head is the likelier shared prefix). Evictable blocks live in ordered dicts rather
-    than a hand-rolled linked list: O(1) removal from the middle on a cache hit, O(1) pop of the oldest.
+    Allocation takes truly free blocks first and evicts a cached block only when none are left: the
+    least recently freed of the namespaces caching more than ``guaranteed_per_namespace`` blocks, so one
+    namespace's traffic cannot flush another's cached prefixes below that guarantee. Only when every
+    namespace is within its guarantee does eviction fall back to the requester's own oldest block, then
+    the oldest of all (the cache never makes a request wait). Requests free their blocks tail first, so a
+    request's tail is evicted before its head (the head is the likelier shared prefix). Evictable blocks
+    live in ordered dicts rather than a hand-rolled linked list: O(1) removal from the middle on a cache
+    hit, O(1) pop of the oldest.
     """
 
-    def __init__(self, num_blocks: int, max_cached_per_namespace: int | None = None) -> None:
+    def __init__(self, num_blocks: int, max_cached_per_namespace: int | None = None,
+                 guaranteed_per_namespace: int = 0) -> None:
         self.num_blocks = num_blocks
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() yields low ids first
@@ -62,6 +69,9 @@ class BlockPool:
         self._evictable_by_ns: dict[bytes, OrderedDict[int, None]] = {}
         self.cached: dict[BlockHash, Block] = {}
         self.max_cached_per_namespace = max_cached_per_namespace
+        self.guaranteed_per_namespace = guaranteed_per_namespace
+        self._over: dict[bytes, None] = {}  # namespaces caching more than their guarantee (ordered set)
+        self._freed = itertools.count()
         # Per namespace, while it holds or caches a block (then dropped: request-scoped namespaces are
         # one per request); ``totals`` sums the lookups and tokens over every namespace ever seen.
         self.ns_stats: dict[bytes, NamespaceStats] = {}
@@ -69,6 +79,7 @@ class BlockPool:
         self.blocks_to_zero: list[int] = []  # filled when zero-on-free is on; drained by the runner
         self.zero_on_free = False
         self.num_evictions = 0
+        self.num_guarded_evictions = 0  # evictions of a block its namespace's guarantee covered
         self._entry_ids = itertools.count()
 
     @property
@@ -114,8 +125,8 @@ class BlockPool:
             if self._free:
                 block = self.blocks[self._free.pop()]
             else:
-                block_id, _ = self._evictable.popitem(last=False)
-                block = self.blocks[block_id]
+                block = self._victim(namespace)
+                del self._evictable[block.block_id]
                 self._drop_evictable_ns(block)
                 self._uncache(block)
                 if block.namespace != namespace:
@@ -125,6 +136,26 @@ class BlockPool:
             out.append(block)
         self.stats_for(namespace).blocks_held += n
         return out
+
+    def _victim(self, namespace: bytes) -> Block:
+        """The cached block to evict for ``namespace``'s new one (see the class docstring)."""
+        if self._over:
+            heads = (self.blocks[next(iter(self._evictable_by_ns[ns]))] for ns in self._over)
+            return min(heads, key=lambda b: b.freed_at)
+        if self.guaranteed_per_namespace:
+            self.num_guarded_evictions += 1
+            own = self._evictable_by_ns.get(namespace)
+            if own:
+                return self.blocks[next(iter(own))]
+        return self.blocks[next(iter(self._evictable))]
+
+    def _update_over(self, namespace: bytes) -> None:
+        if not self.guaranteed_per_namespace:
+            return  # nobody has a guarantee: plain LRU, no bookkeeping
+        if len(self._evictable_by_ns.get(namespace, ())) > self.guaranteed_per_namespace:
+            self._over[namespace] = None
+        else:
+            self._over.pop(namespace, None)
 
     def touch(self, blocks: list[Block]) -> None:
         """Take a reference on cached blocks found by a lookup (pulling them out of the LRU)."""
@@ -151,9 +182,11 @@ class BlockPool:
                 self._prune(namespace)
                 continue
             self._evictable[block.block_id] = None
+            block.freed_at = next(self._freed)
             ns_lru = self._evictable_by_ns.setdefault(namespace, OrderedDict())
             ns_lru[block.block_id] = None
             stats.evictable_blocks += 1
+            self._update_over(namespace)
             cap = self.max_cached_per_namespace
             if cap is not None and len(ns_lru) > cap:
                 self._evict(self.blocks[next(iter(ns_lru))])
@@ -195,6 +228,7 @@ class BlockPool:
         if not ns_lru:
             del self._evictable_by_ns[block.namespace]
         self.stats_for(block.namespace).evictable_blocks -= 1
+        self._update_over(block.namespace)
 
     def _uncache(self, block: Block) -> None:
         if block.block_hash is not None:

@@ -56,12 +56,21 @@ class EngineConfig:
         enable_prefix_caching: Reuse full KV blocks of identical prefixes within one cache namespace.
         zero_freed_blocks: Zero the K/V of a block freed without a hash (costs a memset per block).
         max_cached_blocks_per_namespace: Cap on evictable cached blocks one namespace may keep.
+        prefix_cache_guaranteed_fraction: Each cache namespace's guaranteed share of the evictable pool,
+            as a fraction of all KV blocks: eviction takes the oldest cached block of the namespaces that
+            cache more than that first, so one namespace's traffic cannot flush another's prefixes below
+            it; when every namespace is within its share, the oldest block goes (the cache never makes a
+            request wait). 0 evicts the oldest cached block of any namespace.
         scheduling_policy: ``fcfs``, ``priority`` (lower ``priority`` value runs first) or ``fair``
             (tenants share the batch by weight, priorities apply within a tenant; see
             ``engine.scheduler.Scheduler``). Without tenant shares ``fair`` orders like ``priority``.
         priority_aging_steps: A sequence that has waited this many engine steps goes ahead of every
             priority, oldest first (``priority`` and ``fair``), so a low priority never waits forever;
             0 turns aging off.
+        preemption_wait_steps: Under ``fair``, a tenant under its share of the batch that already runs a
+            sequence waits for a slot instead of preempting another tenant's sequence while some running
+            sequence has fewer than this many tokens left to generate (the slot it frees goes to the
+            tenant under its share first); 0 preempts at once. A tenant running nothing never waits.
         num_threads: torch intra-op threads; ``None`` pins to the number of physical cores.
         seed: Seeds the sampling of requests that bring no seed of their own.
         cache_dir: Where converted models (and built C++ kernels) live; ``None`` uses ``$KVGATE_CACHE``
@@ -98,8 +107,10 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     zero_freed_blocks: bool = False
     max_cached_blocks_per_namespace: int | None = None
+    prefix_cache_guaranteed_fraction: float = 0.05
     scheduling_policy: str = "fair"
     priority_aging_steps: int = 256
+    preemption_wait_steps: int = 16
     num_threads: int | None = None
     seed: int = 0
     cache_dir: str | None = None
@@ -122,14 +133,16 @@ class EngineConfig:
                              f"got {self.kv_cache_dtype!r}")
         if self.scheduling_policy not in _POLICIES:
             raise ValueError(f"scheduling_policy must be one of {_POLICIES}")
-        if self.priority_aging_steps < 0:
-            raise ValueError("priority_aging_steps must be >= 0")
+        if self.priority_aging_steps < 0 or self.preemption_wait_steps < 0:
+            raise ValueError("priority_aging_steps and preemption_wait_steps must be >= 0")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError("block_size must be a positive power of two")
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be positive")
         if not 0.0 < self.kv_cache_fraction <= 0.9:
             raise ValueError("kv_cache_fraction must be in (0, 0.9]")
+        if not 0.0 <= self.prefix_cache_guaranteed_fraction <= 1.0:
+            raise ValueError("prefix_cache_guaranteed_fraction must be in [0, 1]")
         check_mode(self.determinism)
         if self.invariant_backend not in ("auto", "cpp", "triton"):
             raise ValueError(f"invariant_backend must be 'auto', 'cpp' or 'triton', "
@@ -141,3 +154,7 @@ class EngineConfig:
             raise ValueError(f"the default determinism {self.determinism!r} must be among determinism_modes")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError("num_kv_blocks must be positive")
+
+    def guaranteed_blocks(self, num_blocks: int) -> int:
+        """Each cache namespace's guaranteed cached blocks in a pool of ``num_blocks``."""
+        return int(self.prefix_cache_guaranteed_fraction * num_blocks)

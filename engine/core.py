@@ -49,7 +49,8 @@ class LLMEngine:
         self.block_size = config.block_size
         self.kv = KVCacheManager(self.loaded.num_blocks, config.block_size,
                                  enable_prefix_caching=config.enable_prefix_caching, hasher=hasher,
-                                 max_cached_per_namespace=config.max_cached_blocks_per_namespace)
+                                 max_cached_per_namespace=config.max_cached_blocks_per_namespace,
+                                 guaranteed_per_namespace=config.guaranteed_blocks(self.loaded.num_blocks))
         self.kv.pool.zero_on_free = config.zero_freed_blocks
         self.scheduler = Scheduler(config, self.kv)
         self.runner = ModelRunner(self.loaded.model, self.loaded.kv_caches, config.block_size,

@@ -2,10 +2,11 @@
 
 Each tenant (an opaque key the caller passes, like the cache namespace) has a weight and a virtual time
 that grows by ``tokens / weight`` with every prefill and decode token the engine computes for it. The
-scheduler admits from the waiting tenant with the lowest virtual time, and a tenant under its weighted
-share of the batch slots takes one back from the tenant furthest over its own, so each busy tenant gets
-its weighted share of the batch and an idle tenant's share goes to the others (work conserving). A tenant
-that was idle starts again at the lowest virtual time among the busy ones: idling banks no credit
+scheduler admits from the waiting tenants under their weighted share of the batch slots first, then by
+the lowest virtual time, and a tenant under its share takes a slot back from the tenant furthest over
+its own (or waits a few steps for one to come free), so each busy tenant gets its weighted share of
+the batch and an idle tenant's share goes to the others (work conserving). A tenant that was idle starts
+again at the lowest virtual time among the busy ones: idling banks no credit
 (Sheng et al., "Fairness in Serving Large Language Models", OSDI 2024: the virtual token counter).
 """
 
@@ -95,13 +96,18 @@ class Ledger:
         if tenant.is_idle and self.tenants.get(tenant.key) is tenant:
             del self.tenants[tenant.key]
 
-    def next_waiting(self, skip: set[bytes]) -> Tenant | None:
-        """The tenant with waiting work and the lowest virtual time (ties by key: deterministic)."""
-        best = None
+    def next_waiting(self, skip: set[bytes], num_slots: int) -> Tenant | None:
+        """The tenant with waiting work to admit next: those under their share of ``num_slots`` batch
+        slots first, then the lowest virtual time (ties by key: deterministic). A slot that comes free
+        goes to a tenant under its share before one over it, so the share it is owed is given back
+        without a preemption."""
+        best, best_key = None, None
         for t in self.tenants.values():
-            if t.waiting and t.key not in skip and (
-                    best is None or (t.vtime, t.key) < (best.vtime, best.key)):
-                best = t
+            if not t.waiting or t.key in skip:
+                continue
+            key = (len(t.running) + 1 > self.fair_slots(t, num_slots), t.vtime, t.key)
+            if best_key is None or key < best_key:
+                best, best_key = t, key
         return best
 
     def fair_slots(self, tenant: Tenant, num_slots: int) -> float:

@@ -12,10 +12,11 @@ from engine.request import Sequence
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool,
-                 hasher: BlockHasher | None = None, max_cached_per_namespace: int | None = None) -> None:
+                 hasher: BlockHasher | None = None, max_cached_per_namespace: int | None = None,
+                 guaranteed_per_namespace: int = 0) -> None:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.pool = BlockPool(num_blocks, max_cached_per_namespace)
+        self.pool = BlockPool(num_blocks, max_cached_per_namespace, guaranteed_per_namespace)
         self.hasher = hasher or BlockHasher()
         # seq_id -> its blocks (the scheduler only ever sees seq.block_ids)
         self._blocks: dict[int, list[Block]] = {}

@@ -39,9 +39,11 @@ class Scheduler:
     - ``priority``: lower ``priority`` first, then arrival; a sequence that has waited
       ``priority_aging_steps`` steps goes ahead of every priority (oldest first), so none waits forever.
     - ``fair``: tenants (``TenantShare``) share the batch by weight (``engine.fair``): admission goes to
-      the waiting tenant with the lowest virtual time, a tenant under its share takes a batch slot back
-      from the one furthest over it, prefill chunks go to the lowest virtual time first, and a tenant's
-      ``max_kv_blocks`` caps what its running sequences hold. Priorities apply within a tenant.
+      the waiting tenants under their share of the batch slots first, then the lowest virtual time; a
+      tenant under its share takes a slot back from the one furthest over it (at once if it runs nothing,
+      else only when no running sequence ends within ``preemption_wait_steps``); prefill chunks go to the
+      lowest virtual time first, and a tenant's ``max_kv_blocks`` caps what its running sequences hold.
+      Priorities apply within a tenant.
 
     When the pool runs dry the least urgent running sequence is preempted (``fcfs``: the latest admitted;
     ``priority``: the highest priority value; ``fair``: of the tenant holding the most per weight), even
@@ -56,10 +58,13 @@ class Scheduler:
         self.max_num_seqs = config.max_num_seqs
         self.policy = config.scheduling_policy
         self.aging_steps = config.priority_aging_steps
+        self.preemption_wait_steps = config.preemption_wait_steps
         self.kv = kv
         self.ledger = Ledger()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.num_recomputed_tokens = 0  # tokens computed before a preemption and computed again after it
+        self._lost: dict[int, int] = {}  # seq_id -> tokens it had computed when last preempted
         self.num_steps = 0
         self._budget = 0
         self._admitted_now: set[Sequence] = set()
@@ -182,6 +187,7 @@ class Scheduler:
         self.kv.cache_full_blocks(seq)
         self.kv.free(seq)
         seq.status = RequestStatus.PREEMPTED
+        self._lost[seq.seq_id] = seq.num_computed_tokens
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -191,7 +197,7 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput) -> None:
         done: set[bytes] = set()  # tenants that cannot start another sequence this step
         while self._budget > 0:
-            tenant = self.ledger.next_waiting(done)
+            tenant = self.ledger.next_waiting(done, self.max_num_seqs)
             if tenant is None:
                 return
             seq = self._head(tenant)
@@ -218,16 +224,28 @@ class Scheduler:
 
     def _take_slot_for(self, tenant: Tenant, out: SchedulerOutput) -> bool:
         """Under ``fair``: preempt one sequence of the tenant furthest over its share of the batch
-        slots, if ``tenant`` is under its own."""
+        slots, if ``tenant`` is under its own and no slot comes free soon enough.
+
+        The victim is the giver's least urgent sequence by priority, then the one with the fewest
+        computed tokens (the least work lost should its cached blocks be evicted before it resumes)."""
         if self.policy != "fair":
             return False
         giver = self.ledger.most_over_share(tenant, self.max_num_seqs)
         # not one admitted in this very step: its admission would be wasted work
         candidates = [s for s in giver.running if s not in self._admitted_now] if giver else []
-        if not candidates:
+        if not candidates or self._slot_comes_soon(tenant):
             return False
-        self._preempt(self._least_urgent(candidates), out)
+        self._preempt(max(candidates, key=lambda s: (s.priority, -s.num_computed_tokens, s.arrival_time,
+                                                     s.seq_id)), out)
         return True
+
+    def _slot_comes_soon(self, tenant: Tenant) -> bool:
+        """Whether ``tenant``, which already runs a sequence, may wait for a running sequence to end
+        instead of preempting one: some sequence has fewer than ``preemption_wait_steps`` tokens left to
+        generate, and the slot it frees goes to a tenant under its share first
+        (``Ledger.next_waiting``). A tenant running nothing never waits (its first token's latency)."""
+        return bool(tenant.running) and any(
+            s.max_len - s.num_tokens < self.preemption_wait_steps for s in self.running)
 
     def _admit(self, seq: Sequence, num_cached: int) -> None:
         seq.status = RequestStatus.RUNNING
@@ -235,6 +253,8 @@ class Scheduler:
         if seq.num_preemptions == 0:
             seq.num_cached_tokens = num_cached
             self.kv.record_prefill(seq, num_cached)
+        else:
+            self.num_recomputed_tokens += max(0, self._lost.pop(seq.seq_id, 0) - num_cached)
         if seq.first_scheduled_time is None:
             seq.first_scheduled_time = time.monotonic()
         self.running.append(seq)
@@ -250,6 +270,7 @@ class Scheduler:
             tenant.waiting.remove(seq)
         self.leaders.pop(seq.seq_id, None)
         self._enqueued.pop(seq.seq_id, None)
+        self._lost.pop(seq.seq_id, None)
         self.ledger.maybe_forget(tenant)
         seq.status = status
         seq.finish_time = time.monotonic()

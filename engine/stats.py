@@ -24,6 +24,10 @@ class EngineStats:
     batched_tokens_per_second: float  # all tokens run through the model, same window
     num_failed_steps: int = 0  # steps that failed requests by a fault (the engine served on)
     num_failed_requests: int = 0  # requests those steps failed
+    # tokens preempted sequences had computed and computed again (their cached blocks were evicted)
+    num_recomputed_tokens: int = 0
+    num_cache_evictions: int = 0  # cached blocks evicted for new ones
+    num_guarded_evictions: int = 0  # of those, blocks of a namespace within its guaranteed share
     namespaces: dict[bytes, dict[str, int]] = field(default_factory=dict)
     # per busy tenant under the ``fair`` policy: waiting and running sequences, KV blocks held
     tenants: dict[bytes, dict[str, int]] = field(default_factory=dict)
@@ -77,4 +81,6 @@ class StatsTracker:
             tokens_per_second=self._generated / span if span > 0 else 0.0,
             batched_tokens_per_second=self._batched / span if span > 0 else 0.0,
             num_failed_steps=self.num_failed_steps, num_failed_requests=self.num_failed_requests,
+            num_recomputed_tokens=scheduler.num_recomputed_tokens, num_cache_evictions=pool.num_evictions,
+            num_guarded_evictions=pool.num_guarded_evictions,
             namespaces=ns, tenants=scheduler.tenant_stats())

@@ -16,10 +16,11 @@ from engine.scheduler import Scheduler
 class SimEngine:
     def __init__(self, *, num_blocks: int = 64, block_size: int = 4, max_num_seqs: int = 8,
                  max_num_batched_tokens: int = 32, policy: str = "fair", aging: int = 64,
-                 prefix_caching: bool = False) -> None:
+                 prefix_caching: bool = False, wait: int = 16) -> None:
         cfg = EngineConfig(num_kv_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
                            max_num_batched_tokens=max_num_batched_tokens, scheduling_policy=policy,
-                           priority_aging_steps=aging, enable_prefix_caching=prefix_caching)
+                           priority_aging_steps=aging, enable_prefix_caching=prefix_caching,
+                           preemption_wait_steps=wait)
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=prefix_caching)
         self.sched = Scheduler(cfg, self.kv)
         self._ids = itertools.count()
