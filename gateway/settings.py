@@ -50,6 +50,10 @@ class Settings(BaseSettings):
         scheduling_policy: ``fair`` (tenants share the engine's batch by their policies' ``share``, the
             default), ``priority`` (by the policies' ``priority`` alone) or ``fcfs``; see
             docs/operations.md#fair-share.
+        prefix_cache_guaranteed_fraction: Each prefix-cache namespace's guaranteed share of the cached
+            blocks, as a fraction of the KV pool: eviction takes blocks of the namespaces caching more
+            than that first, so one tenant's traffic cannot flush another's cached prefixes below it
+            (docs/operations.md#fair-share); 0 evicts the oldest cached block of any namespace.
         max_queued_requests: Requests admitted beyond the engine's batch that may wait for a place in it
             (``None``: as many as ``max_num_seqs``). One more request than ``max_num_seqs`` plus this is
             answered at once with a 503 ``engine_overloaded`` and a ``Retry-After`` from the measured
@@ -134,6 +138,7 @@ class Settings(BaseSettings):
     engine_fixed_mmap_threshold: bool = False
     engine_heap_trim_interval_s: float = Field(default=5.0, ge=0)
     scheduling_policy: Literal["fair", "priority", "fcfs"] = "fair"
+    prefix_cache_guaranteed_fraction: float = Field(default=0.05, ge=0, le=1)
     max_queued_requests: int | None = Field(default=None, ge=0)
     max_model_len: int | None = None
     max_body_bytes: int = 1_048_576
@@ -204,6 +209,7 @@ class Settings(BaseSettings):
             max_model_len=self.max_model_len,
             num_threads=self.engine_threads,
             scheduling_policy=self.scheduling_policy,
+            prefix_cache_guaranteed_fraction=self.prefix_cache_guaranteed_fraction,
             fixed_mmap_threshold=self.engine_fixed_mmap_threshold,
             heap_trim_interval_s=self.engine_heap_trim_interval_s,
             determinism_modes=tuple(self.determinism_modes.split(",")),

@@ -58,3 +58,25 @@ async def test_the_admin_api_shows_a_tenants_place_in_the_engine(gw):
     assert r.status_code == 200 and r.json()["running"] == 1 and r.json()["kv_blocks"] >= 1, r.text
     await stream.aclose()
     assert (await gw.client.get("/admin/v1/tenants/nope/engine", headers=gw.admin())).status_code == 404
+
+
+def test_the_prefix_cache_guarantee_reaches_the_engine(tmp_path):
+    import pytest
+    from pydantic import ValidationError
+
+    from gateway.settings import Settings
+
+    assert Settings(data_dir=tmp_path).engine_config().prefix_cache_guaranteed_fraction == 0.05
+    config = Settings(data_dir=tmp_path, prefix_cache_guaranteed_fraction=0.2).engine_config()
+    assert config.prefix_cache_guaranteed_fraction == 0.2 and config.guaranteed_blocks(100) == 20
+    with pytest.raises(ValidationError):
+        Settings(data_dir=tmp_path, prefix_cache_guaranteed_fraction=1.5)
+
+
+async def test_recompute_and_eviction_counters_are_in_metrics(gw):
+    s = gw.runtime.engine.stats()
+    text = (await gw.client.get("/metrics", headers=gw.admin())).text
+    for name, value in (("kvgate_engine_recomputed_tokens_total", s.num_recomputed_tokens),
+                        ("kvgate_prefix_cache_evictions_total", s.num_cache_evictions),
+                        ("kvgate_prefix_cache_guarded_evictions_total", s.num_guarded_evictions)):
+        assert f"{name} {float(value)}" in text
