@@ -18,9 +18,12 @@ def test_a_short_run_reports_every_phase(tiny_llama_dir, tmp_path):
                       ("fcfs", "alone"), ("fcfs", "flood"), ("fcfs", "share 1:1")]
     for r in rows:
         assert r["b_requests"] > 0 and r["total_tokens_per_s"] > 0 and 0 < r["b_share"] <= 1
+        assert r["total_processed_per_s"] >= r["total_tokens_per_s"] and r["recomputed_tokens"] >= 0
+        # the share phases compare the same work: B's requests take A's shape there
+        assert r["b_shape"] == ([24, 12] if r["phase"].startswith("share") else [16, 6])
     assert all(r["b_share"] == 1 for r in rows if r["phase"] == "alone")
     assert all(0 < r["b_share"] < 1 for r in rows if r["phase"] != "alone")
     report = json.loads(out.read_text())
     assert set(report["verdict"]) >= {"b_share_1_1", "b_share_3_1", "b_ttft_p99_over_alone",
-                                      "total_fair_over_fcfs"}
+                                      "total_fair_over_fcfs", "total_processed_fair_over_fcfs"}
     assert "share 3:1" in format_table(rows)
