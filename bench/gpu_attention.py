@@ -188,3 +188,38 @@ def run_attention_bench(device: torch.device, heads: tuple[int, int, int], sizes
             rows.append({"batch": batch, "ctx": ctx, "error": f"{type(e).__name__}: {e}"})
     ceiling = copy_bandwidth_gbs(device, (1 << 30) if device.type == "cuda" else (64 << 20))
     return {"heads": list(heads), "dtype": str(dtype), "copy_gbs": ceiling, "rows": rows}
+
+
+def run_prefill_bench(device: torch.device, heads: tuple[int, int, int], dtype: torch.dtype = torch.bfloat16,
+                      cases: tuple[tuple[int, int, int], ...] = ((8, 0, 512), (8, 2048, 512), (64, 0, 128))
+                      ) -> dict:
+    """One layer's prefill attention over the paged cache for ``(chunks, cached tokens, chunk tokens)``:
+    the Triton kernel (all chunks in one launch) against the torch path (gather each chunk's context,
+    SDPA), both eager as the engine runs prefill steps."""
+    rows = [_prefill_case(device, heads, dtype, *case) for case in cases]
+    return {"heads": list(heads), "dtype": str(dtype), "rows": rows}
+
+
+def _prefill_case(device: torch.device, heads: tuple[int, int, int], dtype: torch.dtype, chunks: int,
+                  cached: int, n: int) -> dict:
+    from kernels import AttentionMetadata, PrefillSpan
+    from kernels.paged_attention import _prefill_torch
+    from kernels.triton_prefill import PrefillPlan, prefill_attention
+
+    num_heads, num_kv_heads, head_dim = heads
+    nb = -(-(cached + n) // 16)
+    k, v = (torch.randn(chunks * nb + 1, 16, num_kv_heads, head_dim, device=device).to(dtype) for _ in "kv")
+    perm = torch.randperm(chunks * nb, device=device).view(chunks, nb)
+    pos = torch.arange(cached + n, device=device)
+    mask = pos[None, :] <= pos[cached:, None] if cached else None
+    spans = [PrefillSpan(i * n, n, perm[i][pos // 16] * 16 + pos % 16, mask) for i in range(chunks)]
+    meta = AttentionMetadata(torch.zeros(chunks * n, dtype=torch.long, device=device), 0, [], spans)
+    q = torch.randn(chunks * n, num_heads, head_dim, device=device).to(dtype)
+    out, ref = torch.empty_like(q), torch.empty_like(q)
+    plan = PrefillPlan.build(spans, device)
+    scale = head_dim ** -0.5
+    triton_ms = time_ms(lambda: prefill_attention(q, k, v, plan, scale, out), device, graph=False)
+    torch_ms = time_ms(lambda: _prefill_torch(q, k, v, meta, scale, ref), device, graph=False)
+    err = float((out.float() - ref.float()).norm() / ref.float().norm())
+    return {"chunks": chunks, "cached": cached, "chunk_tokens": n, "triton_ms": triton_ms,
+            "torch_ms": torch_ms, "rel_err": err}

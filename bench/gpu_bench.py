@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from bench.gpu_agreement import run_correctness, run_default_modes
-from bench.gpu_attention import ATTENTION_SIZES, run_attention_bench
+from bench.gpu_attention import ATTENTION_SIZES, run_attention_bench, run_prefill_bench
 from bench.gpu_kv import run_kv_quant
 from bench.gpu_model import (
     ARCHITECTURES,
@@ -130,7 +130,8 @@ def environment(device: str) -> dict:
     return env
 
 
-SECTIONS = ("correctness", "throughput", "attention", "default_modes", "kv_cache", "throughput_256")
+SECTIONS = ("correctness", "throughput", "attention", "default_modes", "kv_cache", "throughput_256",
+            "prefill")
 
 
 def _prepare(args, report: dict):
@@ -168,6 +169,9 @@ def run(args) -> dict:
         sizes = ATTENTION_SIZES if args.device == "cuda" else [(3, 64), (16, 200)]
         _section(report, "attention", out, run_attention_bench, torch.device(args.device),
                  (mc.num_heads, mc.num_kv_heads, mc.head_dim), sizes)
+    if "prefill" in args.sections:
+        _section(report, "prefill", out, run_prefill_bench, torch.device(args.device),
+                 (mc.num_heads, mc.num_kv_heads, mc.head_dim))
     if corr is not None and "default_modes" in args.sections:
         _section(report, "default_modes", out, run_default_modes, model_dir, prompts, corr["hf"], args)
     if "kv_cache" in args.sections:

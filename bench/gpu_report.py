@@ -57,6 +57,19 @@ def _attention_rows(section: dict | None) -> list[str]:
     return rows
 
 
+def _prefill_rows(section: dict | None) -> list[str]:
+    if _err(section):
+        return [f"prefill: {_err(section)}"]
+    rows = ["prefill attention, one layer, eager: the Triton kernel (one launch) against gather + SDPA "
+            "per chunk",
+            "| chunks | cached tokens | chunk tokens | Triton ms | torch ms | speed-up | rel. error |",
+            "|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in section["rows"]:
+        rows.append(f"| {r['chunks']} | {r['cached']} | {r['chunk_tokens']} | {r['triton_ms']:.3f} | "
+                    f"{r['torch_ms']:.3f} | {r['torch_ms'] / r['triton_ms']:.1f}x | {r['rel_err']:.1e} |")
+    return rows
+
+
 def format_table(report: dict) -> str:
     """Device, agreement, throughput and attention bandwidth as markdown tables."""
     env = report.get("environment", {})
@@ -74,7 +87,7 @@ def format_table(report: dict) -> str:
                      + (f"; batch_invariant vs transformers: {_agreement(bi)}" if bi else "")
                      + (f"; batch_invariant off: {modes['bi_error']}" if modes.get("bi_error") else ""))
     tables = (_throughput_rows(report) + [""] + _attention_rows(report.get("attention")) + [""]
-              + kv_rows(report.get("kv_cache")))
+              + _prefill_rows(report.get("prefill")) + [""] + kv_rows(report.get("kv_cache")))
     return "\n".join(lines + [""] + tables)
 
 

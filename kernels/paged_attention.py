@@ -83,6 +83,7 @@ class AttentionMetadata:
     # A block that padding rows of a CUDA-graph decode step write and read (the pool's null block): zeroed
     # again after each layer's attention, so it reads as zeros to every other kernel.
     scratch_block: int | None = None
+    prefill_plan: Any = None  # kernels.triton_prefill.PrefillPlan on CUDA; built on first use
 
 
 _workspace: dict[tuple, torch.Tensor] = {}
@@ -164,6 +165,35 @@ def _decode_fused(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     tables, lens = decode_rows(meta, k_cache.shape[1])
     n = meta.num_decode_tokens
     out[:n] = paged_decode_attention(query[:n], k_cache, v_cache, tables, lens, scale)
+
+
+def _prefill_torch(query: torch.Tensor, k_cache: torch.Tensor | QuantizedKV,
+                   v_cache: torch.Tensor | QuantizedKV, meta: AttentionMetadata, scale: float,
+                   out: torch.Tensor) -> None:
+    """Chunk by chunk: gather the context (dequantized if 8-bit), then SDPA (the CPU's path)."""
+    group = query.shape[1] // k_cache.shape[-2]
+    for span in meta.prefills:
+        s, n = span.q_start, span.q_len
+        q = query[s:s + n].transpose(0, 1).unsqueeze(0).to(out.dtype)  # [1, H, n, Dh]
+        k = gather_slots(k_cache, span.ctx_slots).transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, Dh]
+        v = gather_slots(v_cache, span.ctx_slots).transpose(0, 1).unsqueeze(0)
+        if span.mask is None:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=group > 1)
+        else:
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=span.mask, scale=scale,
+                                               enable_gqa=group > 1)
+        out[s:s + n] = o[0].transpose(0, 1)
+
+
+def _prefill_triton(query: torch.Tensor, k_cache: torch.Tensor | QuantizedKV,
+                    v_cache: torch.Tensor | QuantizedKV, meta: AttentionMetadata, scale: float,
+                    out: torch.Tensor) -> None:
+    """Every prefill chunk in one launch of the paged Triton kernel (``kernels.triton_prefill``)."""
+    from kernels.triton_prefill import PrefillPlan, prefill_attention
+
+    if meta.prefill_plan is None:
+        meta.prefill_plan = PrefillPlan.build(meta.prefills, query.device)
+    prefill_attention(query, k_cache, v_cache, meta.prefill_plan, scale, out)
 
 
 def _decode_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
@@ -249,24 +279,15 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor | QuantizedKV,
         [T, num_heads * head_dim].
     """
     num_tokens, num_heads, head_dim = query.shape
-    group = num_heads // k_cache.shape[-2]
     out = torch.empty(query.shape, dtype=compute_dtype(k_cache), device=query.device)
     if meta.decode_groups:
         _decode_kernel(query, k_cache)(query, k_cache, v_cache, meta, scale, out)
         if meta.scratch_block is not None:
             zero_block(k_cache, meta.scratch_block)
             zero_block(v_cache, meta.scratch_block)
-    for span in meta.prefills:
-        s, n = span.q_start, span.q_len
-        q = query[s:s + n].transpose(0, 1).unsqueeze(0).to(out.dtype)  # [1, H, n, Dh]
-        k = gather_slots(k_cache, span.ctx_slots).transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, Dh]
-        v = gather_slots(v_cache, span.ctx_slots).transpose(0, 1).unsqueeze(0)
-        if span.mask is None:
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=group > 1)
-        else:
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=span.mask, scale=scale,
-                                               enable_gqa=group > 1)
-        out[s:s + n] = o[0].transpose(0, 1)
+    if meta.prefills:
+        on_gpu = query.device.type == "cuda" and _has_triton()
+        (_prefill_triton if on_gpu else _prefill_torch)(query, k_cache, v_cache, meta, scale, out)
     if meta.invariant is not None:
         out[meta.invariant.start:] = _invariant_rows(query, k_cache, v_cache, meta.invariant, scale)
     return out.view(num_tokens, num_heads * head_dim).to(query.dtype)
