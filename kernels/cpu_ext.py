@@ -65,8 +65,12 @@ def _cpu_identity() -> str:
 
 
 def _build_tag(ext: _Extension) -> str:
-    """Builds use -march=native, so a build is only valid on a CPU with the same instructions."""
-    material = "|".join((platform.machine(), _cpu_identity(), torch.__version__, " ".join(ext.cflags),
+    """Builds use -march=native, so a build is only valid on a CPU with the same instructions. The
+    sources' folder and torch's are part of the tag too: ninja rebuilds whenever a source path or an
+    include path in its commands changes, so two checkouts (or virtual environments) sharing one cache
+    folder would otherwise rebuild each other's kernels on every load, each waiting on the other."""
+    paths = (str(ext.source.resolve().parent), str(Path(torch.__file__).resolve().parent))
+    material = "|".join((platform.machine(), _cpu_identity(), torch.__version__, *paths, " ".join(ext.cflags),
                          *(p.read_text() for p in (ext.source, *ext.others))))
     return hashlib.sha256(material.encode()).hexdigest()[:16]
 

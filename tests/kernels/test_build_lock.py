@@ -12,7 +12,7 @@ import pytest
 
 from engine.setup import default_cache_dir
 from kernels import KernelBuildError
-from kernels.cpu_ext import _DECODE, _build_lock, _build_tag
+from kernels.cpu_ext import _DECODE, _build_lock, _build_tag, _Extension
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -52,3 +52,21 @@ def test_a_live_builder_is_waited_for_only_until_the_deadline(tmp_path: Path) ->
         holder.wait()
     with _build_lock(tmp_path, wait_s=5):  # the holder died: the OS released its lock
         assert not (tmp_path / "lock").exists()
+
+
+def test_another_checkout_of_the_same_sources_builds_in_its_own_folder(tmp_path: Path) -> None:
+    """ninja rebuilds when a source path changes: two checkouts sharing one cache must not share a build
+    folder, or each load rebuilds what the other built."""
+    copies = [tmp_path / "a", tmp_path / "b"]
+    tags = []
+    for folder in copies:
+        folder.mkdir()
+        for p in (_DECODE.source, *_DECODE.others):
+            (folder / p.name).write_text(p.read_text())
+        ext = _Extension(_DECODE.prefix, folder / _DECODE.source.name, _DECODE.cflags,
+                         tuple(folder / p.name for p in _DECODE.others))
+        tags.append(_build_tag(ext))
+    assert tags[0] != tags[1] != _build_tag(_DECODE)
+    (copies[0] / _DECODE.source.name).write_text("// changed\n")  # and the contents still count
+    assert _build_tag(_Extension(_DECODE.prefix, copies[0] / _DECODE.source.name, _DECODE.cflags,
+                                 tuple(copies[0] / p.name for p in _DECODE.others))) != tags[0]
