@@ -59,8 +59,13 @@ class UpstreamOutput:
         return self.outputs[index]
 
 
-def _upstream_error(opened: Opened, raw: bytes) -> InvalidRequest:
-    """A 4xx of the upstream's, as the client's: the request was what it refused."""
+# The upstream's refusals that are about the request itself; any other (401, 404, 429...) is about this
+# gateway's route, key or share of the upstream: not the client's to fix, so a 503 for it.
+CLIENT_STATUSES = frozenset({400, 413, 422})
+
+
+def _upstream_error(raw: bytes) -> InvalidRequest:
+    """The upstream's refusal of the request, as the client's 400."""
     try:
         message = str(orjson.loads(raw)["error"]["message"])[:512]
     except Exception:  # noqa: BLE001
@@ -84,12 +89,13 @@ async def _open(rt: Runtime, call: UpstreamCall, adm: Admission) -> Opened:
     except UpstreamUnavailable as e:
         raise unavailable(adm, e) from None
     rt.metrics.upstream_requests.labels(pool.name, opened.replica.url).inc()
-    if opened.response.status_code != 200:
+    status = opened.response.status_code
+    if status != 200:
         raw = await opened.response.aread()
-        await opened.close(is_ok=opened.response.status_code < 500)
-        if 400 <= opened.response.status_code < 500:
-            raise _upstream_error(opened, raw)
-        raise unavailable(adm, RuntimeError(f"status {opened.response.status_code}"))
+        await opened.close(is_ok=status in CLIENT_STATUSES)
+        if status in CLIENT_STATUSES:
+            raise _upstream_error(raw)
+        raise unavailable(adm, RuntimeError(f"the upstream answered {status}"))
     return opened
 
 

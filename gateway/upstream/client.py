@@ -89,7 +89,7 @@ class UpstreamPool:
 
     def fail(self, replica: Replica) -> None:
         if self.replicas.on_failure(replica, time.monotonic()):
-            log.warning("upstream.breaker_open", model=self.name, replica=replica.url,
+            log.warning("upstream.breaker_open", model=self.name, url=replica.url,
                         num_failures=replica.num_failures)
 
     async def check_health(self) -> None:
@@ -100,7 +100,7 @@ class UpstreamPool:
                                          for r in self.replicas.replicas))
         for replica, is_healthy in zip(self.replicas.replicas, results, strict=True):
             if replica.is_healthy != is_healthy:
-                log.info("upstream.health", model=self.name, replica=replica.url, is_healthy=is_healthy)
+                log.info("upstream.health", model=self.name, url=replica.url, is_healthy=is_healthy)
             replica.is_healthy = is_healthy
 
     async def _is_healthy(self, url: str, deadline: float) -> bool:
@@ -147,14 +147,14 @@ class UpstreamPool:
             self.fail(replica)
             if isinstance(e, httpx.ReadTimeout | httpx.WriteTimeout):  # it may be working on it: no retry
                 raise UpstreamUnavailable(f"a replica of {self.name!r} timed out") from None
-            log.warning("upstream.try_failed", model=self.name, replica=replica.url,
+            log.warning("upstream.try_failed", model=self.name, url=replica.url,
                         error_type=type(e).__name__)
             return None
         if response.status_code in RETRY_STATUSES:
             await response.aclose()
             replica.num_outstanding -= 1
             self.fail(replica)
-            log.warning("upstream.try_failed", model=self.name, replica=replica.url,
+            log.warning("upstream.try_failed", model=self.name, url=replica.url,
                         status=response.status_code)
             return None
         return Opened(self, replica, response)

@@ -128,6 +128,26 @@ async def test_stream_passes_through_and_usage_is_stripped_unless_asked(front):
     assert sum(r["completion_tokens"] for r in rows) == 24
 
 
+async def test_text_completions_and_upstream_refusals(front, fleet, tiny_model_dir):
+    tid, key = await front.make_tenant()
+    body = {"model": "up", "prompt": "Once upon a time", "max_tokens": 5}
+    r = await front.client.post("/v1/completions", json=body, headers=_auth(key))
+    assert r.status_code == 200, r.text
+    reply = r.json()
+    assert reply["object"] == "text_completion" and reply["id"].startswith("cmpl-") and reply["model"] == "up"
+    assert reply["usage"]["completion_tokens"] == 5 and reply["choices"][0]["finish_reason"] == "length"
+    # a route whose upstream model or key is wrong is the operator's fault: 503, never the client's 4xx
+    for name, model, api_key in (("wrong-model", "nope", fleet.front_key), ("wrong-key", None, "kvg_a_b")):
+        route = {"kind": "kvgate", "urls": [fleet.replicas[0].base], "tokenizer": str(tiny_model_dir),
+                 "upstream_model": model or tiny_model_dir.name, "max_model_len": 2048}
+        r = await front.client.put(f"/admin/v1/models/{name}", headers=front.admin(),
+                                   json={"route": route, "api_key": api_key})
+        assert r.status_code == 200
+        r = await _chat(front, key, model=name)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "upstream_unavailable", r.text
+        assert r.headers["retry-after"]
+
+
 async def test_budgets_hold_and_client_salts_are_refused(front):
     tid, key = await front.make_tenant(policy=Policy(daily_token_quota=150, max_output_tokens=8))
     r = await _chat(front, key, content="word " * 60)
