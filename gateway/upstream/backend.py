@@ -81,18 +81,21 @@ def unavailable(adm: Admission, e: BaseException) -> ServiceUnavailable:
                               headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
-async def _open(rt: Runtime, call: UpstreamCall, adm: Admission) -> Opened:
-    """Open the upstream stream; its head is in (a refusal of the request's is the client's 4xx)."""
+async def _open(rt: Runtime, call: UpstreamCall, adm: Admission, last: UpstreamOutput) -> Opened:
+    """Open the upstream stream; its head is in (a refusal of the request's is the client's 4xx). Where
+    no replica took the request, or one refused it, nothing ran: ``last`` settles it at zero tokens."""
     pool = call.target.pool
     try:
         opened = await pool.open(call.path, call.body, call.affinity)
     except UpstreamUnavailable as e:
+        last.usage = (0, 0, 0)
         raise unavailable(adm, e) from None
     rt.metrics.upstream_requests.labels(pool.name, opened.replica.url).inc()
     status = opened.response.status_code
     if status != 200:
         raw = await opened.response.aread()
         await opened.close(is_ok=status in CLIENT_STATUSES)
+        last.usage = (0, 0, 0)
         if status in CLIENT_STATUSES:
             raise _upstream_error(raw)
         raise unavailable(adm, RuntimeError(f"the upstream answered {status}"))
@@ -197,7 +200,7 @@ async def open_stream(rt: Runtime, adm: Admission, include_usage: bool) -> Strea
     progress = Progress()
     relay = _Relay(rt, adm, progress, include_usage)
     try:
-        opened = await _open(rt, call, adm)
+        opened = await _open(rt, call, adm, relay.last)
         await until_committed(adm)
     except BaseException:
         await finish(rt, adm, progress)
@@ -211,7 +214,7 @@ async def run_whole(rt: Runtime, adm: Admission) -> WholeReply:
     progress = Progress()
     relay = _Relay(rt, adm, progress, include_usage=True)
     try:
-        opened = await _open(rt, adm.upstream, adm)
+        opened = await _open(rt, adm.upstream, adm, relay.last)
         gen = _stream(relay, opened, adm.upstream.target)
         try:
             parts = [p async for p in gen]

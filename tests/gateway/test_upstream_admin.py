@@ -103,3 +103,22 @@ async def test_cache_salt_only_from_a_trusting_policy(agw):
     assert r.json()["error"]["param"] == "cache_salt"
     r = await agw.client.post("/v1/completions", json=body, headers={"Authorization": f"Bearer {front}"})
     assert r.status_code == 200, r.text
+
+
+async def test_a_pool_with_no_replica_up_is_a_503_charged_nothing_and_shows_in_metrics(agw, tiny_model_dir):
+    c, h = agw.client, agw.admin()
+    # nothing listens on these loopback ports: every connection is refused
+    route = _route(tiny_model_dir, urls=["http://127.0.0.1:9", "http://127.0.0.1:7"], health_interval_s=3600)
+    assert (await c.put("/admin/v1/models/down", headers=h, json={"route": route})).status_code == 200
+    tid, key = await agw.make_tenant()
+    body = {"model": "down", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
+    for stream in (False, True):
+        r = await c.post("/v1/chat/completions", json=body | {"stream": stream},
+                         headers={"Authorization": f"Bearer {key}"})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "upstream_unavailable", r.text
+        assert r.headers["retry-after"]
+    rows = (await c.get(f"/admin/v1/tenants/{tid}/usage", headers=h)).json()
+    assert sum(r["num_requests"] for r in rows) == 2 and sum(r["total_tokens"] for r in rows) == 0
+    metrics = (await c.get("/metrics", headers=h)).text
+    assert 'kvgate_upstream_healthy{model="down",replica="http://127.0.0.1:9"} 0.0' in metrics
+    assert 'kvgate_upstream_outstanding_requests{model="down",replica="http://127.0.0.1:7"} 0.0' in metrics
