@@ -20,6 +20,7 @@ def _register() -> None:
         bench_cmds,  # noqa: F401  (bench ...)
         bench_gateway_cmd,  # noqa: F401  (bench gateway)
         bench_prefix_cmd,  # noqa: F401  (bench prefix)
+        bench_upstream_cmd,  # noqa: F401  (bench upstream)
         model_cmds,  # noqa: F401  (model prepare, generate)
         replay_cmd,  # noqa: F401  (replay)
     )
