@@ -178,10 +178,14 @@ async def _relay(relay: _Relay, opened: Opened) -> AsyncGenerator[bytes, None]:
 
 
 async def _stream(relay: _Relay, opened: Opened, target: Target) -> AsyncGenerator[bytes, None]:
-    is_ok = False
+    is_ok: bool | None = False
     try:
         async for data in _relay(relay, opened):
-            yield data
+            try:
+                yield data
+            except GeneratorExit:  # the client left: no fault of the replica's
+                is_ok = None
+                raise
         is_ok = relay.progress.is_done
         if not is_ok:
             raise RuntimeError("the upstream stream ended before [DONE]")

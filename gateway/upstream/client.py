@@ -47,15 +47,19 @@ class Opened:
                 return
             yield line
 
-    async def close(self, *, is_ok: bool) -> None:
+    async def close(self, *, is_ok: bool | None) -> None:
+        """End the reply: ``is_ok`` tells the breaker how the replica did (``None``: nothing to tell, the
+        client left)."""
         if self._is_closed:
             return
         self._is_closed = True
         self.replica.num_outstanding -= 1
         if is_ok:
             self.pool.replicas.on_success(self.replica)
-        else:
+        elif is_ok is not None:
             self.pool.fail(self.replica)
+        else:
+            self.pool.replicas.on_abandoned(self.replica)
         await self.response.aclose()
 
 

@@ -89,6 +89,11 @@ class ReplicaSet:
     def on_success(self, replica: Replica) -> None:
         replica.num_failures, replica.open_until, replica.is_trial = 0, 0.0, False
 
+    def on_abandoned(self, replica: Replica) -> None:
+        """A request its client gave up on: no fault of the replica's, and a trial cut short decides
+        nothing (the next request is the trial)."""
+        replica.is_trial = False
+
     def on_failure(self, replica: Replica, now: float) -> bool:
         """Count a failure; whether it opened the breaker."""
         replica.num_failures += 1

@@ -30,8 +30,13 @@ def test_the_breaker_opens_after_consecutive_failures_then_lets_one_trial_throug
     assert rs.on_failure(a, 11.0)  # the trial failed: open again, from now
     assert not a.is_available(20.0) and a.is_available(21.0)
     assert rs.pick(None, only_a, 21.0) is a
+    rs.on_abandoned(a)  # its client left: no verdict, and the next request may be the trial
+    assert a.state == "open" and rs.pick(None, only_a, 21.0) is a
     rs.on_success(a)
     assert a.state == "closed" and a.is_available(21.0)
+    for _ in range(5):  # clients leaving never open a breaker
+        rs.on_abandoned(a)
+    assert a.state == "closed" and a.num_failures == 0
 
 
 def test_least_outstanding_without_affinity_and_unhealthy_or_tried_replicas_skipped():
