@@ -167,16 +167,16 @@ def child_main(config: EngineConfig, cmd_conn: Any, out_conn: Any, initializer: 
             out.write(("died", RuntimeError(f"{type(e).__name__}: {e}")))
         except OSError:
             pass  # the parent is gone too
-    _exit_at_once()
+    exit_without_finalizing()
 
 
-def _exit_at_once() -> None:
-    """End the child without the interpreter's finalization, once its logs are written.
+def exit_without_finalizing() -> None:
+    """End the process with exit code 0, without the interpreter's finalization, once its logs are out.
 
-    Nothing the child holds outlives it (the pipes, the model, the KV pool), but a normal exit first
-    garbage-collects the whole heap (modules, tokenizer, grammar caches), and the gateway's shutdown
-    waits for the child's exit: seconds on quiet cores, 35 s on loaded ones (2026-11-26), all of it in
-    that collection.
+    For the engine child, and ``kvgate serve`` once it has shut down: nothing either holds outlives it
+    (pipes, model, KV pool, sockets), but a normal exit first garbage-collects the whole heap (modules,
+    tokenizer, grammar caches), and the gateway's shutdown waits for the child's exit: seconds on quiet
+    cores, 35 s on loaded ones (2026-11-26), all of it in that collection.
     """
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
