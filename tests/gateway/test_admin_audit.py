@@ -35,6 +35,9 @@ API_EVENTS = {
     ("POST", "/admin/v1/retention/purge"): "retention.purged",
     ("POST", "/admin/v1/admin-tokens"): "admin.admin_token_created",
     ("POST", "/admin/v1/admin-tokens/{token_id}/revoke"): "admin.admin_token_revoked",
+    # a route is put before it is deleted: the dict's order is the order they run in
+    ("PUT", "/admin/v1/models/{name}"): "admin.model_route_changed",
+    ("DELETE", "/admin/v1/models/{name}"): "admin.model_route_deleted",
 }
 API_BODIES = {
     "/admin/v1/tenants": {"name": "made-by-api"},
@@ -119,16 +122,20 @@ async def _verify_chain(gw, tmp_path) -> None:
     assert res.exit_code == 0, res.output
 
 
-async def test_every_api_change_records_one_event_with_its_actor(agw, tmp_path):
+async def test_every_api_change_records_one_event_with_its_actor(agw, tmp_path, tiny_model_dir):
+    route = {"kind": "vllm", "urls": ["http://127.0.0.1:9/v1"], "tokenizer": str(tiny_model_dir),
+             "max_model_len": 2048}
+    bodies = {**API_BODIES, ("PUT", "/admin/v1/models/{name}"): {"route": route}}
     rt = agw.runtime
     async with rt.sessionmaker() as s:
         root = await keys.create_admin_token(s, rt.hasher, "root", ADMIN_SCOPES)
     headers, actor = {"Authorization": f"Bearer {root}"}, root.split("_")[1]
     for (method, path), event in API_EVENTS.items():
         world = await _world(agw, tmp_path / "unused.json")
-        url = path.format(**world)
+        url = path.format(**world, name="audited-route")
         before = await _last_seq(agw)
-        r = await agw.client.request(method, url, headers=headers, json=API_BODIES.get(path, {}))
+        body = bodies.get((method, path), bodies.get(path))
+        r = await agw.client.request(method, url, headers=headers, json=body if method != "DELETE" else None)
         assert r.status_code in (200, 201), (method, path, r.text)
         assert await _events_after(agw, before) == [(event, actor)], (method, path)
     await _verify_chain(agw, tmp_path)
