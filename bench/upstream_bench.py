@@ -38,6 +38,7 @@ from bench.http_client import LeanHttpClient
 
 ROUTE = "upstream-model"  # the front gateway's name for the routed model
 START_TIMEOUT_S = 600.0
+ROUTE_READY_S = 60.0  # several health-check intervals of the route
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +99,19 @@ async def _add_route(settings: Any, upstream_url: str, upstream_model: str, api_
         await db.dispose()
 
 
+async def _route_ready(front: LeanHttpClient, w: Work, timeout_s: float = ROUTE_READY_S) -> None:
+    """Wait until the front gateway serves the route: the two servers start at once, so the front's first
+    health check may have found the upstream not yet listening (503 until the next check passes)."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        status, body = await front.request("POST", "/v1/chat/completions", w.body)
+        if status != 503 or asyncio.get_running_loop().time() > deadline:
+            break
+        await asyncio.sleep(0.5)
+    if status != 200:
+        raise RuntimeError(f"the front gateway did not serve the route: {status} {body[:300]!r}")
+
+
 def _retarget(work: list[Work], model: str) -> list[Work]:
     """The same requests naming ``model``."""
     return [Work(orjson.dumps(orjson.loads(w.body) | {"model": model}), w.prompt_ids) for w in work]
@@ -117,6 +131,7 @@ async def _measure(cfg: UpstreamBenchConfig, tokenizer: Any, model_name: str, up
              Peer("https-upstream", "chat", chat_call(clients[1]), front.pid)]
     rows = []
     try:
+        await _route_ready(clients[1], work[0])
         for c in cfg.concurrency:
             level = await measure(peers, work, Load(concurrency=c), cfg.num_rounds, cfg.num_warmup, cfg.seed)
             for row in level:  # measure() compares with its "engine" peer: here that is the upstream
