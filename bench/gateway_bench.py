@@ -251,14 +251,21 @@ def run_gateway_bench(
         RuntimeError: A server did not start, or a request failed or ran differently from the engine peer.
     """
     validate(cfg)
-    tmp = None if data_dir is not None else Path(tempfile.mkdtemp(prefix="kvgate-bench-gw-"))
+    report = run_in_data_dir(lambda root: _run(cfg, root), data_dir, "kvgate-bench-gw-", out)
+    print_summary(report["results"], out)
+    return report
+
+
+def run_in_data_dir(run, data_dir: Path | None, prefix: str, out: str | None) -> dict[str, Any]:
+    """``run(root)`` with the servers' files under ``data_dir``, or under a temp dir removed afterwards;
+    the report written as JSON to ``out`` when given."""
+    tmp = None if data_dir is not None else Path(tempfile.mkdtemp(prefix=prefix))
     try:
-        report = _run(cfg, data_dir or tmp)
+        report = run(data_dir or tmp)
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(json.dumps(report, indent=2))
-    print_summary(report["results"], out)
     return report

@@ -18,10 +18,7 @@ client share the machine's cores, so the figures are for comparing in one run, n
 from __future__ import annotations
 
 import asyncio
-import json
 import os
-import shutil
-import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -29,7 +26,7 @@ from typing import Any
 
 import orjson
 
-from bench.gateway_bench import _commit
+from bench.gateway_bench import _commit, run_in_data_dir
 from bench.gateway_peers import Peer, Work, chat_call, make_work
 from bench.gateway_report import format_table
 from bench.gateway_rounds import Load, measure
@@ -188,15 +185,7 @@ def run_upstream_bench(cfg: UpstreamBenchConfig, out: str | None,
     """
     if not cfg.concurrency or min(cfg.concurrency) < 1:
         raise ValueError("concurrency levels must be 1 or more")
-    tmp = None if data_dir is not None else Path(tempfile.mkdtemp(prefix="kvgate-bench-up-"))
-    try:
-        report = _run(cfg, data_dir or tmp)
-    finally:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
-    if out:
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(json.dumps(report, indent=2))
+    report = run_in_data_dir(lambda root: _run(cfg, root), data_dir, "kvgate-bench-up-", out)
     print(format_table(report["results"]))
     for row in (r for r in report["results"] if r["kind"] == "gateway"):
         print(f"https-upstream at concurrency {row['concurrency']}: added p50 {row['added_p50_ms']:.2f} ms, "
