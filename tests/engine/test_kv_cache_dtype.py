@@ -45,7 +45,7 @@ def test_8bit_cache_answers_stay_close_to_a_float32_cache(tiny_engine_factory, k
         greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
         want = [o.token_ids for o in _engine(tiny_engine_factory, "float32").generate(PROMPTS, greedy)]
         assert [o.token_ids for o in engine.generate(PROMPTS, greedy)] == want
-    assert engine.kv.pool.num_used_blocks == 0 or engine.config.enable_prefix_caching
+    assert engine.kv.pool.num_used_blocks == 0  # finished requests hold no block (cached ones are free)
 
 
 def test_preemption_and_prefix_reuse_over_an_8bit_cache(tiny_engine_factory):
