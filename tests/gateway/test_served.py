@@ -155,14 +155,18 @@ def test_an_engine_killed_under_load_fails_its_requests_cleanly_and_comes_back(s
                                                                               model: str) -> None:
     key = server.make_key("crash")
     old_pid = server.engine_pid()
-    body = _chat(model, PROMPT, max_tokens=1500, temperature=1)
+    # ignore_eos: a sampled end-of-sequence would finish a request before all eight run, and the kill
+    # below waits for eight.
+    body = _chat(model, PROMPT, max_tokens=1500, temperature=1, ignore_eos=True)
 
     async def load():
         async with httpx.AsyncClient(base_url=server.base, verify=str(server.ca), timeout=120,
                                      headers={"Authorization": f"Bearer {key}"}) as c:
             wholes = [asyncio.ensure_future(c.post("/v1/chat/completions", json=body)) for _ in range(4)]
             streams = [asyncio.ensure_future(_stream(server, key, body)) for _ in range(4)]
+            deadline = time.monotonic() + 120
             while _metric(server, "kvgate_engine_running_requests") < 8:
+                assert time.monotonic() < deadline, "the eight requests never ran together"
                 await asyncio.sleep(0.05)
             os.kill(old_pid, signal.SIGKILL)
             return await asyncio.gather(*wholes), await asyncio.gather(*streams)
