@@ -13,7 +13,6 @@ from concurrent.futures import TimeoutError as FutureTimeout
 
 import llguidance
 import llguidance.hf
-import llguidance.torch
 import numpy as np
 import torch
 
@@ -173,7 +172,11 @@ def fill_bitmask(matchers: list[llguidance.LLMatcher], vocab_size: int) -> torch
     if _executor is None:
         _executor = llguidance.LLExecutor()
     bitmask = torch.full(((len(matchers)), (vocab_size + 31) // 32), -1, dtype=torch.int32)
-    llguidance.torch.fill_next_token_bitmask_par(_executor, [(m, i) for i, m in enumerate(matchers)], bitmask)
+    # What llguidance.torch.fill_next_token_bitmask_par does, without importing that module: it compiles a
+    # function with torch.compile at import, which pulls in torch._dynamo and inductor (~3 s of every
+    # engine start) for a kernel the engine does not use.
+    _executor.unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(matchers)], bitmask.data_ptr(),
+                                      bitmask.shape[1] * 4, len(matchers))
     return bitmask
 
 
