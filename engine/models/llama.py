@@ -97,7 +97,10 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, max_model_len: int) -> None:
         super().__init__()
         self.cfg = cfg
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # An explicit (uninitialized) weight: Embedding's own random init on the meta device imports
+        # torch._dynamo (~1 s of every start), and the checkpoint overwrites it anyway.
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                  _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
         self.lm_head = (None if cfg.tie_word_embeddings
