@@ -20,22 +20,23 @@ def _engine(factory, kv: str, **overrides):
 
 def test_an_8bit_pool_holds_more_tokens_in_the_same_memory(tiny_engine_factory, tiny_llama_dir):
     mc = load_model_config(tiny_llama_dir)
-    blocks = {kv: bytes_per_block(EngineConfig(model=str(tiny_llama_dir), kv_cache_dtype=kv), mc, torch.bfloat16)
-              for kv in ("bfloat16", "int8", "fp8")}
+    blocks = {kv: bytes_per_block(EngineConfig(model=str(tiny_llama_dir), kv_cache_dtype=kv), mc,
+                                  torch.bfloat16) for kv in ("bfloat16", "int8", "fp8")}
     # per token and KV head: head_dim values and a 4-byte scale, against 2 * head_dim bytes (1.88x the
     # tokens at the default model's 64-wide heads)
     gain = 2 * mc.head_dim / (mc.head_dim + 4)
     assert blocks["int8"] == blocks["fp8"] == blocks["bfloat16"] / gain
     budget = 200 * blocks["bfloat16"]
-    sizes = {kv: _engine(tiny_engine_factory, kv, num_kv_blocks=None, kv_cache_memory=budget).kv.pool.num_blocks
-             for kv in ("bfloat16", "int8")}
+    sizes = {kv: _engine(tiny_engine_factory, kv, num_kv_blocks=None,
+                         kv_cache_memory=budget).kv.pool.num_blocks for kv in ("bfloat16", "int8")}
     assert sizes["bfloat16"] == 199 and sizes["int8"] == int(200 * gain) - 1  # each keeps one null block
 
 
 @pytest.mark.parametrize(("kind", "tol"), [("int8", 0.03), ("fp8", 0.1)])
 def test_8bit_cache_answers_stay_close_to_a_float32_cache(tiny_engine_factory, kind, tol):
     params = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
-    ref = [o.outputs[0].logprobs[0].top for o in _engine(tiny_engine_factory, "float32").generate(PROMPTS, params)]
+    reference = _engine(tiny_engine_factory, "float32")
+    ref = [o.outputs[0].logprobs[0].top for o in reference.generate(PROMPTS, params)]
     engine = _engine(tiny_engine_factory, kind)
     assert all(isinstance(c, QuantizedKV) for pair in engine.runner.kv_caches for c in pair)
     got = [o.outputs[0].logprobs[0].top for o in engine.generate(PROMPTS, params)]
@@ -54,7 +55,8 @@ def test_preemption_and_prefix_reuse_over_an_8bit_cache(tiny_engine_factory):
     greedy = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     shared = [5] * 40
     prompts = [shared + [i, i + 1] for i in range(6)]
-    roomy = [o.token_ids for o in _engine(tiny_engine_factory, "int8", num_kv_blocks=64).generate(prompts, greedy)]
+    roomy_engine = _engine(tiny_engine_factory, "int8", num_kv_blocks=64)
+    roomy = [o.token_ids for o in roomy_engine.generate(prompts, greedy)]
     tight = _engine(tiny_engine_factory, "int8", num_kv_blocks=12)
     assert [o.token_ids for o in tight.generate(prompts, greedy)] == roomy
     assert tight.stats().num_preemptions > 0
