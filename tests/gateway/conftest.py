@@ -6,10 +6,11 @@ import asyncio
 import os
 import secrets
 import threading
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import ExitStack, asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 from litestar.testing import AsyncTestClient
@@ -24,6 +25,9 @@ from gateway.storage import migrate
 from gateway.storage.db import make_db_engine
 from gateway.storage.txn import TxnRunner
 from policies import Policy
+
+if TYPE_CHECKING:
+    from .served import Served
 
 PG_HOST = os.environ.get("KVGATE_TEST_PG_HOST", "127.0.0.1")
 PG_PORT = int(os.environ.get("KVGATE_TEST_PG_PORT", "5432"))
@@ -106,9 +110,7 @@ def _drop_pg_database(user: str, name: str) -> None:
 def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> object:
     """A fresh, migrated database: SQLite in tmp_path, or a throwaway PostgreSQL database."""
     if request.param == "sqlite":
-        url = f"sqlite+aiosqlite:///{tmp_path / 'kvgate.db'}"
-        run_sync(lambda: migrate.upgrade(url))
-        yield url
+        yield migrated_sqlite(tmp_path)
         return
     user = request.getfixturevalue("pg_user")
     if user is None:
@@ -122,11 +124,16 @@ def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> object:
         _drop_pg_database(user, name)
 
 
-@pytest.fixture
-def sqlite_url(tmp_path: Path) -> str:
-    url = f"sqlite+aiosqlite:///{tmp_path / 'kvgate.db'}"
+def migrated_sqlite(path: Path) -> str:
+    """The URL of a new SQLite database in ``path``, migrated to head."""
+    url = f"sqlite+aiosqlite:///{path / 'kvgate.db'}"
     run_sync(lambda: migrate.upgrade(url))
     return url
+
+
+@pytest.fixture
+def sqlite_url(tmp_path: Path) -> str:
+    return migrated_sqlite(tmp_path)
 
 
 @pytest.fixture(scope="session")
@@ -134,6 +141,26 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from engine.testing import make_tiny_model_dir
 
     return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-model"))
+
+
+@pytest.fixture(scope="session")
+def shared_server(tmp_path_factory: pytest.TempPathFactory,
+                  tiny_model_dir: Path) -> Iterator[Callable[..., Served]]:
+    """``shared_server(*args)``: a ``kvgate serve`` of the tiny model with ``args``, started by the first
+    module that asks and kept for every later one with the same ``args`` (a start costs tens of seconds).
+    For tests that leave it serving and need no fresh one: unique tenant names, their own counters."""
+    from .served import serve
+
+    with ExitStack() as stack:
+        servers: dict[tuple[str, ...], Served] = {}
+
+        def get(*args: str) -> Served:
+            if args not in servers:
+                data_dir = tmp_path_factory.mktemp("shared-serve")
+                servers[args] = stack.enter_context(serve(data_dir, tiny_model_dir, *args))
+            return servers[args]
+
+        yield get
 
 
 @pytest.fixture(scope="session")

@@ -16,7 +16,15 @@ from pathlib import Path
 import httpx
 import psutil
 
+from .conftest import run_sync
+
 KVGATE = [sys.executable, "-c", "from gateway.cli import app; app()"]
+# The flags of the server test_served and test_faults_disconnects share (conftest's ``shared_server``): a
+# fixed KV pool (the tiny model's blocks are small; the default sizes it by memory), no determinism mode
+# whose kernels build at start-up, a short stall timeout for test_served's clients that stop reading, and
+# room for test_faults_disconnects' hundreds of connections from one peer.
+SHARED_SERVE_ARGS = ("--num-kv-blocks", "4096", "--determinism-modes", "fast",
+                     "--stream-stall-timeout-s", "2", "--http-max-connections-per-peer", "256")
 
 
 def free_port() -> int:
@@ -53,8 +61,15 @@ class Served:
         """A key of a new tenant named ``name``."""
         return self.make_tenant(name)[1]
 
-    def log(self) -> str:
-        return (self.data_dir / "serve.log").read_text(errors="replace")
+    def log(self, since: int = 0) -> str:
+        """The server's output, from byte ``since`` on (a ``log_size()`` taken earlier: what a test on a
+        shared server caused, not what the modules before it did)."""
+        with open(self.data_dir / "serve.log", "rb") as f:
+            f.seek(since)
+            return f.read().decode(errors="replace")
+
+    def log_size(self) -> int:
+        return (self.data_dir / "serve.log").stat().st_size
 
     def engine_pid(self) -> int:
         """The engine child's pid (multiprocessing's spawned child, not its resource tracker)."""
@@ -62,6 +77,20 @@ class Served:
             if any("spawn_main" in part for part in child.cmdline()):
                 return child.pid
         raise AssertionError("no engine child")
+
+    def ready(self) -> Served:
+        """Wait until it serves, then give it an admin token."""
+        self.wait_ready()
+        self.admin_token = issue_admin_token(self.data_dir, self.env.get("KVGATE_DB_URL"))
+        return self
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
 
     def wait_ready(self, timeout_s: float = 300.0) -> None:  # a first start may build C++ kernels
         deadline = time.monotonic() + timeout_s
@@ -78,25 +107,46 @@ class Served:
             time.sleep(0.2)
 
 
-@contextmanager
-def serve(data_dir: Path, model_dir: Path, *args: str, env: dict[str, str] | None = None) -> Iterator[Served]:
-    """``kvgate serve --model model_dir *args`` on a free loopback port, bootstrapped, until the block
-    ends; ``env`` adds to its environment (and the bootstrap's: ``KVGATE_DB_URL``, say)."""
+def issue_admin_token(data_dir: Path, db_url: str | None = None) -> str:
+    """An admin token with every scope in the served database, as ``kvgate admin bootstrap`` issues it
+    but from this process: a CLI process of its own imports the gateway again, seconds of every start.
+    (Unaudited, like the tests' other set-up changes; the bootstrap command is tested on its own.)"""
+    from gateway.schemas.admin import ADMIN_SCOPES
+    from gateway.secrets import Hasher, load_or_create_pepper
+    from gateway.services import keys
+    from gateway.settings import Settings
+    from gateway.storage.db import make_db_engine, make_sessionmaker
+
+    url = Settings(data_dir=data_dir, db_url=db_url).database_url
+
+    async def issue() -> str:
+        db = make_db_engine(url, null_pool=True)
+        try:
+            async with make_sessionmaker(db)() as s:
+                return await keys.create_admin_token(s, Hasher(load_or_create_pepper(data_dir)), "bootstrap",
+                                                     ADMIN_SCOPES)
+        finally:
+            await db.dispose()
+
+    return run_sync(issue)  # type: ignore[return-value]
+
+
+def launch(data_dir: Path, model_dir: Path, *args: str, env: dict[str, str] | None = None) -> Served:
+    """Start ``kvgate serve --model model_dir *args`` on a free loopback port and return at once (``ready``
+    waits for it); ``env`` adds to its environment (and the admin token's: ``KVGATE_DB_URL``, say)."""
     port = free_port()
     env = os.environ | {"KVGATE_DATA_DIR": str(data_dir), "KVGATE_LOG_JSON": "true"} | (env or {})
     with open(data_dir / "serve.log", "wb") as log:
         proc = subprocess.Popen([*KVGATE, "serve", "--port", str(port), "--model", str(model_dir), *args],
                                 env=env, stdout=log, stderr=subprocess.STDOUT)
-        served = Served(f"https://127.0.0.1:{port}", data_dir / "tls" / "ca.pem", "", data_dir, env, proc)
-        try:
-            served.wait_ready()
-            served.admin_token = subprocess.run([*KVGATE, "admin", "bootstrap"], env=env, check=True,
-                                                capture_output=True, text=True).stdout.strip()
-            yield served
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+    return Served(f"https://127.0.0.1:{port}", data_dir / "tls" / "ca.pem", "", data_dir, env, proc)
+
+
+@contextmanager
+def serve(data_dir: Path, model_dir: Path, *args: str, env: dict[str, str] | None = None) -> Iterator[Served]:
+    """``launch``, ready and with an admin token, until the block ends."""
+    served = launch(data_dir, model_dir, *args, env=env)
+    try:
+        yield served.ready()
+    finally:
+        served.stop()

@@ -18,6 +18,8 @@ import httpx
 import orjson
 import pytest
 
+from .served import issue_admin_token
+
 KVGATE = [sys.executable, "-c", "from gateway.cli import app; app()"]
 # Small limits, so that a slow client is cut off within seconds (the defaults are 10 s, 60 s, 5 s).
 LIMITS = {
@@ -69,14 +71,12 @@ def server(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> It
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
             [*KVGATE, "serve", "--port", str(port), "--model", str(tiny_model_dir), "--num-kv-blocks", "64",
-             "--max-num-seqs", "2", "--engine-thread"],
+             "--max-num-seqs", "2", "--engine-thread", "--determinism-modes", "fast"],  # no kernels to prove
             env=env, stdout=log, stderr=subprocess.STDOUT,
         )
     try:
         _wait_ready(proc, data_dir / "tls" / "ca.pem", port, log_path)
-        token = subprocess.run([*KVGATE, "admin", "bootstrap"], env=env, check=True, capture_output=True,
-                               text=True).stdout.strip()
-        yield Server(port, data_dir, data_dir / "tls" / "ca.pem", token)
+        yield Server(port, data_dir, data_dir / "tls" / "ca.pem", issue_admin_token(data_dir))
     finally:
         proc.terminate()
         try:

@@ -13,9 +13,9 @@ import time
 
 import pytest
 
-from .faultload import SERVE_ARGS, chat, client, model_id
+from .faultload import chat, client, model_id
 from .ledger import settled_ledgers
-from .served import Served, serve
+from .served import SHARED_SERVE_ARGS, Served
 
 pytestmark = pytest.mark.timeout(300)
 NUM_REQUESTS = 200
@@ -107,23 +107,24 @@ def _until_idle(server: Served, timeout_s: float = 120.0) -> dict[str, float]:
     return gauges
 
 
-def test_hundreds_of_streams_cut_at_random_leave_nothing_held_and_everything_settled(
-        tmp_path, tiny_model_dir) -> None:
-    with serve(tmp_path, tiny_model_dir, *SERVE_ARGS, "--http-max-connections-per-peer", "256") as server:
-        tenants = [server.make_tenant(f"leavers-{i}") for i in range(4)]
-        ways = asyncio.run(_crowd(server, [key for _, key in tenants], seed=20261126))
-        assert sorted(set(ways)) == sorted(WAYS)
-        assert set(_until_idle(server)) == set(IDLE_GAUGES)  # every gauge read, and each one 0
-        ledgers = settled_ledgers(f"sqlite:///{tmp_path / 'kvgate.db'}", tmp_path,
-                                  [tid for tid, _ in tenants])
-        for tid, _ in tenants:
-            ledger, totals = ledgers[tid], _requests_total(server, tid)
-            # each admitted request finished once, as the metrics saw it too; most were cut short
-            assert totals.get("ok", 0) + totals.get("aborted", 0) == len(ledger.admitted), totals
-            assert totals.get("aborted", 0) > 0
-            events = [events[0] for events in ledger.finished.values()]
-            assert all(e["num_completion_tokens"] <= MAX_TOKENS for e in events)
-        assert "request.unhandled" not in server.log()
+def test_hundreds_of_streams_cut_at_random_leave_nothing_held_and_everything_settled(shared_server) -> None:
+    # test_served's server: its tenants, counters and log lines since the start are this test's own
+    server: Served = shared_server(*SHARED_SERVE_ARGS)
+    log_start = server.log_size()
+    tenants = [server.make_tenant(f"leavers-{i}") for i in range(4)]
+    ways = asyncio.run(_crowd(server, [key for _, key in tenants], seed=20261126))
+    assert sorted(set(ways)) == sorted(WAYS)
+    assert set(_until_idle(server)) == set(IDLE_GAUGES)  # every gauge read, and each one 0
+    ledgers = settled_ledgers(f"sqlite:///{server.data_dir / 'kvgate.db'}", server.data_dir,
+                              [tid for tid, _ in tenants])
+    for tid, _ in tenants:
+        ledger, totals = ledgers[tid], _requests_total(server, tid)
+        # each admitted request finished once, as the metrics saw it too; most were cut short
+        assert totals.get("ok", 0) + totals.get("aborted", 0) == len(ledger.admitted), totals
+        assert totals.get("aborted", 0) > 0
+        events = [events[0] for events in ledger.finished.values()]
+        assert all(e["num_completion_tokens"] <= MAX_TOKENS for e in events)
+    assert "request.unhandled" not in server.log(log_start)
     # Only a request whose client left before the server read it may not have been admitted.
     num_admitted = sum(len(ledger.admitted) for ledger in ledgers.values())
     assert NUM_REQUESTS - ways.count("unsent_answer") <= num_admitted <= NUM_REQUESTS

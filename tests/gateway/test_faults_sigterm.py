@@ -6,16 +6,35 @@ from __future__ import annotations
 
 import asyncio
 import signal
+from collections.abc import Iterator
 
 import httpx
 import pytest
 
 from .faultload import SERVE_ARGS, Outcome, chat, client, model_id, stream, until, whole
 from .ledger import check_answers, settled_ledgers
-from .served import Served, serve
+from .served import Served, launch
 
 pytestmark = pytest.mark.timeout(300)
 EXIT_TIMEOUT_S = 120.0
+LONG_GRACE_S, SHORT_GRACE_S = 120.0, 3.0
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory, tiny_model_dir) -> Iterator[dict[float, Served]]:
+    """Each test's own server, by its grace period, both launched at once: a start is mostly one process
+    loading at a time, so two starting together on two cores are ready sooner than one after the other,
+    and the second test's server is ready when that test begins."""
+    launched: dict[float, Served] = {}
+    try:
+        for grace_s in (LONG_GRACE_S, SHORT_GRACE_S):
+            data_dir = tmp_path_factory.mktemp(f"sigterm-grace-{grace_s:g}")
+            env = {"KVGATE_SHUTDOWN_GRACE_S": str(grace_s)}
+            launched[grace_s] = launch(data_dir, tiny_model_dir, *SERVE_ARGS, env=env)
+        yield launched
+    finally:
+        for server in launched.values():
+            server.stop()
 
 
 def _ready_status(server: Served) -> int:
@@ -45,35 +64,32 @@ async def _terminate_under(server: Served, keys: list[str], bodies: list[dict]
         return await asyncio.gather(*streams, *wholes), refused
 
 
-def _served_and_terminated(tmp_path, tiny_model_dir, grace_s: float, bodies_of) -> tuple:
-    env = {"KVGATE_SHUTDOWN_GRACE_S": str(grace_s)}
-    with serve(tmp_path, tiny_model_dir, *SERVE_ARGS, env=env) as server:
-        tenants = [server.make_tenant(f"sigterm-{i}") for i in range(2)]
-        keys = [key for _, key in tenants]
-        bodies = bodies_of(model_id(server, keys[0]))
-        in_flight, refused = asyncio.run(_terminate_under(server, keys, bodies))
-        assert server.proc.wait(EXIT_TIMEOUT_S) == 0, server.log()
-        log = server.log()
-    assert "request.unhandled" not in log
+def _served_and_terminated(server: Served, bodies_of) -> tuple:
+    server.ready()
+    tenants = [server.make_tenant(f"sigterm-{i}") for i in range(2)]
+    keys = [key for _, key in tenants]
+    bodies = bodies_of(model_id(server, keys[0]))
+    in_flight, refused = asyncio.run(_terminate_under(server, keys, bodies))
+    assert server.proc.wait(EXIT_TIMEOUT_S) == 0, server.log()
+    assert "request.unhandled" not in server.log()
     for out in refused:
         assert (out.status, out.code) == (503, "shutting_down") and int(out.retry_after or 0) > 0, out
-    ledgers = settled_ledgers(f"sqlite:///{tmp_path / 'kvgate.db'}", tmp_path, [tid for tid, _ in tenants])
+    ledgers = settled_ledgers(f"sqlite:///{server.data_dir / 'kvgate.db'}", server.data_dir,
+                              [tid for tid, _ in tenants])
     return in_flight, ledgers
 
 
-def test_sigterm_lets_the_requests_in_flight_finish_and_exits_0_with_everything_settled(
-        tmp_path, tiny_model_dir) -> None:
+def test_sigterm_lets_the_requests_in_flight_finish_and_exits_0_with_everything_settled(servers) -> None:
     in_flight, ledgers = _served_and_terminated(
-        tmp_path, tiny_model_dir, 120.0, lambda model: [chat(model, max_tokens=24, ignore_eos=True)] * 6)
+        servers[LONG_GRACE_S], lambda model: [chat(model, max_tokens=24, ignore_eos=True)] * 6)
     assert all(out.is_ok for out in in_flight), [out for out in in_flight if not out.is_ok]
     check_answers(ledgers, {out.request_id: out.usage for out in in_flight})
 
 
-def test_sigterm_ends_what_outlasts_the_grace_period_with_an_error_event_and_settles_it(
-        tmp_path, tiny_model_dir) -> None:
+def test_sigterm_ends_what_outlasts_the_grace_period_with_an_error_event_and_settles_it(servers) -> None:
     # Four choices of 1,900 tokens each: far more than the engine makes in the grace period.
     in_flight, ledgers = _served_and_terminated(
-        tmp_path, tiny_model_dir, 3.0, lambda model: [chat(model, max_tokens=1900, n=4, ignore_eos=True)] * 2)
+        servers[SHORT_GRACE_S], lambda model: [chat(model, max_tokens=1900, n=4, ignore_eos=True)] * 2)
     for out in in_flight:
         if out.is_stream:  # its last event is the error, not [DONE]
             assert (out.status, out.code, out.is_done) == (200, "shutting_down", False), out

@@ -8,12 +8,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import pytest_asyncio
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from tests.engine.eos_model import expected_ids, first_new_token, with_eos
-from tests.gateway.conftest import Gateway, open_gateway
+from tests.gateway.conftest import Gateway, migrated_sqlite, open_gateway
 from tests.gateway.test_openai import sse_events, tenant_headers
 
+# One gateway for the module, on the module's loop: each test asks as a new tenant, so none needs a fresh
+# database (a migration and an app start per test, before).
+pytestmark = pytest.mark.asyncio(loop_scope="module")
 MAX_TOKENS = 12
 PROMPT_IDS = [30, 31]
 MESSAGES = [{"role": "user", "content": "Tell me about the sea."}]
@@ -30,22 +34,25 @@ class EosEngine:
 def eos_llm(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
     from engine.process import ProcessLLMEngine
 
-    plain = LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=64))
+    # Only the fast mode these requests run in: batch_invariant's start-up proves its kernels, seconds
+    fast = {"dtype": "float32", "determinism_modes": ("fast",)}
+    plain = LLMEngine(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=64, **fast))
     chat_ids = plain.tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True)
     greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     outs = plain.generate([PROMPT_IDS, list(chat_ids["input_ids"])], greedy)
     base = {"text": outs[0].token_ids, "chat": outs[1].token_ids}
     eos = {first_new_token(base["text"], 2), first_new_token(base["chat"], 2)}
     model = with_eos(tiny_model_dir, tmp_path_factory.mktemp("eos") / "model", sorted(eos))
-    engine = ProcessLLMEngine(EngineConfig(model=str(model), dtype="float32", num_kv_blocks=128))
+    engine = ProcessLLMEngine(EngineConfig(model=str(model), num_kv_blocks=128, **fast))
     engine.start()
     yield EosEngine(engine, eos, base)
     engine.shutdown()
 
 
-@pytest.fixture
-async def egw(tmp_path: Path, sqlite_url: str, eos_llm: EosEngine) -> AsyncIterator[Gateway]:
-    async for g in open_gateway(tmp_path, sqlite_url, eos_llm.engine):
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def egw(tmp_path_factory: pytest.TempPathFactory, eos_llm: EosEngine) -> AsyncIterator[Gateway]:
+    data_dir = tmp_path_factory.mktemp("sampling-extensions")
+    async for g in open_gateway(data_dir, migrated_sqlite(data_dir), eos_llm.engine):
         yield g
 
 

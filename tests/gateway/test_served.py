@@ -15,19 +15,18 @@ import time
 import httpx
 import pytest
 
-from tests.gateway.served import Served, serve
+from tests.gateway.served import SHARED_SERVE_ARGS, Served
 
 pytestmark = pytest.mark.timeout(300)
-STALL_S = 2.0
 PROMPT = " ".join(["The lighthouse keeper wrote down every ship that passed the rocks that winter."] * 25)
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, tiny_model_dir):
-    # The tiny model's KV blocks are small: a fixed pool keeps the default sizing (a share of memory) off.
-    args = ("--num-kv-blocks", "4096", "--stream-stall-timeout-s", str(STALL_S))
-    with serve(tmp_path_factory.mktemp("served"), tiny_model_dir, *args) as s:
-        yield s
+def server(shared_server) -> Served:
+    """The server test_faults_disconnects uses too (its 2 s stall timeout is for the clients here that stop
+    reading): these tests read only their own tenants' counters and wait for the engine to idle, and the
+    one that kills the engine child waits for it to come back."""
+    return shared_server(*SHARED_SERVE_ARGS)
 
 
 @pytest.fixture(scope="module")
@@ -154,7 +153,7 @@ def test_a_whole_request_whose_client_leaves_is_aborted(server: Served, model: s
 def test_an_engine_killed_under_load_fails_its_requests_cleanly_and_comes_back(server: Served,
                                                                               model: str) -> None:
     key = server.make_key("crash")
-    old_pid = server.engine_pid()
+    old_pid, log_start = server.engine_pid(), server.log_size()
     # ignore_eos: a sampled end-of-sequence would finish a request before all eight run, and the kill
     # below waits for eight.
     body = _chat(model, PROMPT, max_tokens=1500, temperature=1, ignore_eos=True)
@@ -186,4 +185,4 @@ def test_an_engine_killed_under_load_fails_its_requests_cleanly_and_comes_back(s
     assert server.engine_pid() != old_pid
     with _client(server, key) as c:
         assert c.post("/v1/chat/completions", json=_chat(model, max_tokens=4)).status_code == 200
-    assert "engine process lost" in server.log()
+    assert "engine process lost" in server.log(log_start)

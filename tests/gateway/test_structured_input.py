@@ -9,11 +9,16 @@ import socket
 import threading
 
 import pytest
+import pytest_asyncio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from policies import Policy
-from tests.gateway.conftest import tenant_events
+from tests.gateway.conftest import migrated_sqlite, open_gateway, tenant_events
+
+# One gateway for the module, on the module's loop: every test here makes tenants of its own and reads
+# only their events, so none needs a fresh database (a migration and an app start per test, before).
+pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 MSG = [{"role": "user", "content": "hi"}]
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
@@ -106,7 +111,14 @@ def listener():
     server.close()
 
 
-@pytest.fixture
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def gw(tmp_path_factory, llm):
+    data_dir = tmp_path_factory.mktemp("structured-input")
+    async for g in open_gateway(data_dir, migrated_sqlite(data_dir), llm):
+        yield g
+
+
+@pytest_asyncio.fixture(loop_scope="module")
 async def ctx(gw):
     _, key = await gw.make_tenant()
     return gw, {"Authorization": f"Bearer {key}"}, gw.runtime.engine.model_name
@@ -173,7 +185,7 @@ async def test_a_policy_turns_features_off(gw, policy, extra, param, code):
     _assert_400(r, param, code)
 
 
-async def test_allowed_features_pass_and_are_audited_by_name_only(gw, sqlite_url):
+async def test_allowed_features_pass_and_are_audited_by_name_only(gw):
     tenant_id, key = await gw.make_tenant(policy=Policy(allow_tools=True, max_schema_bytes=1000))
     h = {"Authorization": f"Bearer {key}"}
     model = gw.runtime.engine.model_name
@@ -188,7 +200,7 @@ async def test_allowed_features_pass_and_are_audited_by_name_only(gw, sqlite_url
     r = await gw.client.post("/v1/completions", headers=h, json=body)
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["text"] in ("yes", "no")
-    events = await tenant_events(sqlite_url, gw.settings.data_dir, tenant_id)
+    events = await tenant_events(gw.settings.db_url, gw.settings.data_dir, tenant_id)
     admitted = [data for name, _, data in events if name == "request.admitted"]
     assert admitted[0]["features"] == ["json_schema", "tools", "logit_bias", "penalties"]
     assert admitted[1]["features"] == ["choice"]

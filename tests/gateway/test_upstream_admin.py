@@ -2,10 +2,16 @@
 keys, bad input as 4xx, ``/v1/models`` per tenant, and ``cache_salt`` only from a trusting policy."""
 
 import pytest
+import pytest_asyncio
 
 from policies import Policy
 
 from .conftest import open_gateway, tenant_events
+from .realserver import migrated_db
+
+# The tests on ``shared_agw`` change nothing another test reads (refused input, tenants of their own), so
+# they share one gateway per database on the module's loop instead of a new database and app each.
+ON_SHARED = pytest.mark.asyncio(loop_scope="module")
 
 
 @pytest.fixture
@@ -13,6 +19,18 @@ async def agw(tmp_path, db_url, llm):
     async for g in open_gateway(tmp_path, db_url, llm):
         g.db_url = db_url
         yield g
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module",
+                        params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
+async def shared_agw(request, tmp_path_factory, llm):
+    pg_user = request.getfixturevalue("pg_user") if request.param == "postgresql" else None
+    if request.param == "postgresql" and pg_user is None:
+        pytest.skip("no PostgreSQL server answers (set CI=1 to make this a failure)")
+    data_dir = tmp_path_factory.mktemp("upstream-admin")
+    with migrated_db(request.param, data_dir, pg_user) as url:
+        async for g in open_gateway(data_dir, url, llm):
+            yield g
 
 
 def _route(tokenizer, **extra):
@@ -62,13 +80,17 @@ async def test_route_versions_audit_and_sealed_key(agw, tiny_model_dir):
      "tokenizer"),
     ({"route": {"kind": "vllm", "urls": ["http://x"], "tokenizer": "t", "max_model_len": 64}, "x": 1}, "x"),
 ])
-async def test_bad_routes_are_400(agw, body, param):
+@ON_SHARED
+async def test_bad_routes_are_400(shared_agw, body, param):
+    agw = shared_agw
     r = await agw.client.put("/admin/v1/models/m", headers=agw.admin(), json=body)
     assert r.status_code == 400, r.text
     assert param in r.text
 
 
-async def test_the_engine_model_cannot_be_routed_and_names_are_checked(agw, tiny_model_dir):
+@ON_SHARED
+async def test_the_engine_model_cannot_be_routed_and_names_are_checked(shared_agw, tiny_model_dir):
+    agw = shared_agw
     c, h = agw.client, agw.admin()
     engine_model = agw.runtime.engine.model_name
     r = await c.put(f"/admin/v1/models/{engine_model}", headers=h, json={"route": _route(tiny_model_dir)})
@@ -93,7 +115,9 @@ async def test_v1_models_lists_what_the_policy_allows(agw, tiny_model_dir):
     assert (await c.get("/v1/models/up-a", headers=auth)).json()["determinism_modes"] == ["fast"]
 
 
-async def test_cache_salt_only_from_a_trusting_policy(agw):
+@ON_SHARED
+async def test_cache_salt_only_from_a_trusting_policy(shared_agw):
+    agw = shared_agw
     engine_model = agw.runtime.engine.model_name
     _, plain = await agw.make_tenant(policy=Policy())
     _, front = await agw.make_tenant(policy=Policy(trust_cache_salt=True))

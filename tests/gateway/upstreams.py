@@ -14,7 +14,8 @@ from pathlib import Path
 
 import httpx
 
-from tests.gateway.served import KVGATE, free_port
+from tests.gateway.conftest import migrated_sqlite
+from tests.gateway.served import KVGATE, free_port, issue_admin_token
 
 
 @dataclass
@@ -71,15 +72,15 @@ def _start(data_dir: Path, model_dir: Path, env: dict[str, str], i: int) -> Upst
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
             [*KVGATE, "serve", "--insecure-http", "--port", str(port), "--model", str(model_dir),
-             "--dtype", "float32", "--num-kv-blocks", "512", "--engine-thread"],
+             "--dtype", "float32", "--num-kv-blocks", "512", "--engine-thread",
+             "--determinism-modes", "fast"],  # no kernels to prove at start-up
             env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     return Upstream(f"http://127.0.0.1:{port}", log_path, proc)
 
 
-def _set_up_front(base: str, env: dict[str, str]) -> tuple[str, str, str]:
+def _set_up_front(base: str, data_dir: Path) -> tuple[str, str, str]:
     """An admin token, and a tenant for the front gateway whose policy trusts its salts, with a key."""
-    token = subprocess.run([*KVGATE, "admin", "bootstrap"], env=env, check=True, capture_output=True,
-                           text=True).stdout.strip()
+    token = issue_admin_token(data_dir)
     with httpx.Client(base_url=base, timeout=30, headers={"Authorization": f"Bearer {token}"}) as admin:
         r = admin.post("/admin/v1/tenants", json={"name": "front", "policy": {"trust_cache_salt": True}})
         assert r.status_code == 201, r.text
@@ -95,7 +96,9 @@ def upstreams(root: Path, model_dir: Path, count: int, timeout_s: float = 300.0)
     data_dir = root / "fleet"
     data_dir.mkdir(mode=0o700)
     env = os.environ | {"KVGATE_DATA_DIR": str(data_dir), "KVGATE_LOG_JSON": "true"}
-    subprocess.run([*KVGATE, "db", "upgrade"], env=env, check=True, capture_output=True)
+    # Migrated before the servers start at once (each would migrate on start), from this process: a
+    # `kvgate db upgrade` process would import the gateway again, seconds of the fleet's start.
+    migrated_sqlite(data_dir)
     with ExitStack() as stack:
         replicas = []
         for i in range(count):
@@ -105,7 +108,7 @@ def upstreams(root: Path, model_dir: Path, count: int, timeout_s: float = 300.0)
         deadline = time.monotonic() + timeout_s
         for up in replicas:
             up.wait_ready(deadline)
-        yield Fleet(replicas, *_set_up_front(replicas[0].base, env))
+        yield Fleet(replicas, *_set_up_front(replicas[0].base, data_dir))
 
 
 def _stop(up: Upstream) -> None:
