@@ -25,20 +25,21 @@ class Observation:
         return cls(tuple(out.token_ids), lps, out.outputs[0].token_hash)
 
 
-def random_prompt(rng: random.Random, n: int) -> list[int]:
-    return [rng.randrange(200, 40_000) for _ in range(n)]
+def random_prompt(rng: random.Random, n: int, vocab_size: int = 40_000) -> list[int]:
+    return [rng.randrange(200, vocab_size) for _ in range(n)]
 
 
 def load_items(rng: random.Random, max_requests: int = 8, max_prompt: int = 150,
-               max_tokens: int = 16) -> list[StreamItem]:
-    """1..max_requests neighbours of mixed modes, lengths and sampling, arriving at random steps."""
+               max_tokens: int = 16, vocab_size: int = 40_000) -> list[StreamItem]:
+    """1..max_requests neighbours of mixed modes, lengths and sampling, arriving at random steps, their
+    token ids below ``vocab_size``."""
     items = []
     for j in range(rng.randint(1, max_requests)):
         params = SamplingParams(temperature=rng.choice([0.0, 0.8]), max_tokens=rng.randint(1, max_tokens),
                                 seed=rng.randrange(1000), ignore_eos=True,
                                 determinism=rng.choice(_LOAD_MODES))
         items.append(StreamItem(rng.randint(0, 6), f"load-{j}",
-                                random_prompt(rng, rng.randint(2, max_prompt)), params))
+                                random_prompt(rng, rng.randint(2, max_prompt), vocab_size), params))
     return items
 
 

@@ -3,7 +3,9 @@ isolated, forced hash collisions harmless, prefill work that does not tell a pro
 
 from __future__ import annotations
 
+import functools
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -14,6 +16,9 @@ from tests.engine.oracle import check_outputs_equal
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
 BS = 16  # EngineConfig's default block size, which these engines keep
+# Only fast requests here: without batch_invariant an engine skips its start-up check of row-invariant
+# matmuls (over a second of each engine's start on two cores; test_determinism covers it).
+_MODES = ("fast", "fixed")
 
 
 def _tokens(seed: int, n: int) -> list[int]:
@@ -41,27 +46,32 @@ def _one_by_one(engine, prompts, namespaces=None, params=GREEDY):
 
 
 @pytest.fixture(scope="module")
-def cache_off(tiny_engine_factory):
-    return tiny_engine_factory(enable_prefix_caching=False, num_kv_blocks=64)
+def make_engine(tiny_engine_factory):
+    return functools.partial(tiny_engine_factory, determinism_modes=_MODES)
+
+
+@pytest.fixture(scope="module")
+def cache_off(make_engine):
+    return make_engine(enable_prefix_caching=False, num_kv_blocks=64)
 
 
 SYSTEM = _tokens(1, 70)
 
 
-def test_outputs_match_cache_off_cold_warm_and_partially_warm(tiny_engine_factory, cache_off):
+def test_outputs_match_cache_off_cold_warm_and_partially_warm(make_engine, cache_off):
     prompts = [SYSTEM + _tokens(2, 10),        # cold
                SYSTEM + _tokens(2, 10),        # warm: 80 tokens, the last full block is recomputed
                SYSTEM[:40] + _tokens(3, 30),   # shared prefix ends mid-block 2
                SYSTEM[:64]]                    # whole prompt cached: its last block still runs for logits
-    engine = tiny_engine_factory()
+    engine = make_engine()
     ours = _one_by_one(engine, prompts)
     assert [o.num_cached_tokens for o in ours] == [0, 64, 32, 48]
     check_outputs_equal(ours, _one_by_one(cache_off, prompts))
 
 
-def test_outputs_match_cache_off_under_eviction_pressure(tiny_engine_factory, cache_off):
+def test_outputs_match_cache_off_under_eviction_pressure(make_engine, cache_off):
     a, b, c = SYSTEM + _tokens(4, 10), _tokens(5, 80), _tokens(6, 80)  # 80 + 7 computed = 6 blocks each
-    engine = tiny_engine_factory(num_kv_blocks=8)
+    engine = make_engine(num_kv_blocks=8)
     ours = _one_by_one(engine, [a, b, a])
     # a caches blocks 0-4 (5 is partial); b takes the free 5, 6, 7, then evicts a's LRU tail first
     # (4, 3, 2); a's head blocks 0 and 1 survive for its second run.
@@ -76,8 +86,8 @@ def test_outputs_match_cache_off_under_eviction_pressure(tiny_engine_factory, ca
     assert engine.kv.pool.num_used_blocks == 0
 
 
-def test_namespaces_share_blocks_within_never_across(tiny_engine_factory):
-    engine = tiny_engine_factory()
+def test_namespaces_share_blocks_within_never_across(make_engine):
+    engine = make_engine()
     prompt = SYSTEM + _tokens(7, 10)
     outs = _one_by_one(engine, [prompt] * 4, [b"tenant-a", b"tenant-b", b"tenant-a", b"tenant-b"])
     assert [o.num_cached_tokens for o in outs] == [0, 0, 64, 64]
@@ -97,9 +107,9 @@ def test_namespaces_share_blocks_within_never_across(tiny_engine_factory):
 
 
 @pytest.mark.parametrize("prompt_len", [64, 70])
-def test_probe_of_foreign_prefix_costs_the_same_prefill_as_unseen_prompt(tiny_engine_factory, prompt_len):
+def test_probe_of_foreign_prefix_costs_the_same_prefill_as_unseen_prompt(make_engine, prompt_len):
     """Prefill work is what TTFT leaks; counting computed tokens checks it without a clock."""
-    engine = tiny_engine_factory()
+    engine = make_engine()
 
     def computed(ns: bytes, prompt: list[int]) -> int:
         before = engine.stats().namespaces.get(ns, {}).get("computed_tokens", 0)
@@ -126,14 +136,13 @@ def _tokens_only(parent: BlockHash, token_ids) -> BlockHash:
 
 @pytest.mark.parametrize(("hash_fn", "expected_cached"), [(_tokens_only, [0, 0, 0, 16, 32]),
                                                           (_constant, [0, 0, 0, 16, 16])])
-def test_forced_hash_collisions_never_serve_foreign_kv(tiny_engine_factory, cache_off, hash_fn,
-                                                       expected_cached):
+def test_forced_hash_collisions_never_serve_foreign_kv(make_engine, cache_off, hash_fn, expected_cached):
     """Every block hash collides (across namespaces, or across all blocks); only the stored tokens,
     namespace and parent entry stand between a lookup and someone else's K/V."""
     p, q = _tokens(10, BS), _tokens(11, BS)
     prompts = [p + q + [1], p + q + [1], q + q + [2], p + p + [3], p + q + [4]]
     spaces = [b"a", b"b", b"a", b"a", b"a"]
-    engine = tiny_engine_factory(hasher=BlockHasher(hash_fn=hash_fn))
+    engine = make_engine(hasher=BlockHasher(hash_fn=hash_fn))
     ours = _one_by_one(engine, prompts, spaces)
     # b's twin prompt: other namespace; q+q: q is cached, but after p; p+p: p is cached, but first.
     assert [o.num_cached_tokens for o in ours] == expected_cached
@@ -143,8 +152,8 @@ def test_forced_hash_collisions_never_serve_foreign_kv(tiny_engine_factory, cach
     assert engine.stats().namespaces.get(b"b", {"hits": 0})["hits"] == 0
 
 
-def test_n_samples_share_the_prompt_blocks(tiny_engine_factory, cache_off):
-    engine = tiny_engine_factory()
+def test_n_samples_share_the_prompt_blocks(make_engine, cache_off):
+    engine = make_engine()
     params = SamplingParams(n=3, temperature=0, max_tokens=4, ignore_eos=True)
     prompt = _tokens(12, 40)  # blocks 0 and 1 full, block 2 partial
     rid = engine.add_request(prompt, params, cache_namespace=b"t")
@@ -186,8 +195,9 @@ def test_default_model_outputs_match_cache_off(default_model_dir):
     first = system + questions[0]
     prompts, spaces = [first, first, system[:100] + questions[1], first], [b"a", b"a", b"a", b"b"]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5)
-    cache_off = LLMEngine(EngineConfig(enable_prefix_caching=False, dtype="float32"), loaded=loaded)
-    ref = _one_by_one(cache_off, prompts, None, params)
-    ours = _one_by_one(LLMEngine(EngineConfig(dtype="float32"), loaded=loaded), prompts, spaces, params)
+    config = EngineConfig(dtype="float32", determinism_modes=_MODES)
+    ref = _one_by_one(LLMEngine(replace(config, enable_prefix_caching=False), loaded=loaded), prompts, None,
+                      params)
+    ours = _one_by_one(LLMEngine(config, loaded=loaded), prompts, spaces, params)
     assert [o.num_cached_tokens for o in ours] == [0, (len(prompts[1]) - 1) // BS * BS, 96, 0]
     check_outputs_equal(ours, ref, logprob_atol=1e-4)

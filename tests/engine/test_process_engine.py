@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+from dataclasses import replace
 
 import pytest
 
@@ -19,6 +20,14 @@ pytestmark = pytest.mark.timeout(120)
 @pytest.fixture(scope="module")
 def config(tiny_llama_dir):
     return EngineConfig(model=str(tiny_llama_dir), num_kv_blocks=64, max_model_len=256)
+
+
+@pytest.fixture(scope="module")
+def lifecycle_config(config):
+    """For the tests of a child's death, restart and shutdown, which start up to two children each and
+    send only ``fast`` requests: without batch_invariant a child skips the start-up check of row-invariant
+    matmuls (over a second of each start on two cores; test_determinism covers it)."""
+    return replace(config, determinism_modes=("fast", "fixed"))
 
 
 @pytest.fixture(scope="module")
@@ -103,8 +112,8 @@ async def _until(predicate, timeout_s=60.0):
 
 
 @pytest.mark.parametrize("reader", ["event loop", "thread"])
-async def test_a_dead_child_fails_its_requests_and_a_new_one_serves(config, reader):
-    engine = ProcessLLMEngine(config)
+async def test_a_dead_child_fails_its_requests_and_a_new_one_serves(lifecycle_config, reader):
+    engine = ProcessLLMEngine(lifecycle_config)
     await _start(engine, reader)
     try:
         outs = await _run(engine, "warm", SamplingParams(temperature=0, max_tokens=2))
@@ -120,8 +129,8 @@ async def test_a_dead_child_fails_its_requests_and_a_new_one_serves(config, read
     assert not engine.is_running
 
 
-async def test_without_restart_a_dead_child_stays_down(config):
-    engine = ProcessLLMEngine(config, restart=False)
+async def test_without_restart_a_dead_child_stays_down(lifecycle_config):
+    engine = ProcessLLMEngine(lifecycle_config, restart=False)
     await _start(engine, "event loop")
     try:
         await _kill_mid_request(engine)
@@ -138,16 +147,16 @@ def test_a_model_that_cannot_load_is_the_constructors_error(tmp_path):
         ProcessLLMEngine(EngineConfig(model=str(tmp_path / "missing")))
 
 
-def test_shutdown_stops_the_child(config):
-    engine = ProcessLLMEngine(config)
+def test_shutdown_stops_the_child(lifecycle_config):
+    engine = ProcessLLMEngine(lifecycle_config)
     engine.start()
     child = engine._child
     engine.shutdown()
     assert not child.proc.is_alive() and not engine.is_running
 
 
-async def test_shutdown_ends_a_request_still_in_flight(config):
-    engine = ProcessLLMEngine(config)
+async def test_shutdown_ends_a_request_still_in_flight(lifecycle_config):
+    engine = ProcessLLMEngine(lifecycle_config)
     engine.start()  # the event loop reads the pipe: shutdown removes that reader before the pipe closes
     stream = engine.generate([5] * 20, SamplingParams(max_tokens=10_000, ignore_eos=True))
     await anext(stream)

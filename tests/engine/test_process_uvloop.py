@@ -14,6 +14,12 @@ from engine.process import ProcessLLMEngine
 pytestmark = pytest.mark.timeout(240)
 
 
+def _config(model_dir, **overrides) -> EngineConfig:
+    """A child serving ``fast`` requests only: without batch_invariant it skips the start-up check of
+    row-invariant matmuls (over a second of each start on two cores; test_determinism covers it)."""
+    return EngineConfig(model=str(model_dir), determinism_modes=("fast", "fixed"), **overrides)
+
+
 def _on_uvloop(coro_fn):
     """Run ``coro_fn()`` on a fresh uvloop loop (pytest-asyncio's loop is plain asyncio)."""
     return uvloop.run(coro_fn())
@@ -29,7 +35,7 @@ async def _collect(engine, prompt, params):
 def test_n8_top_logprobs_20_completes_on_uvloop(tiny_llama_dir):
     # Each step's message holds 8 samples' logprobs (20 alternatives each): far larger than a pipe's
     # buffer after a few dozen tokens, so it arrives in pieces on the non-blocking fd uvloop reads.
-    config = EngineConfig(model=str(tiny_llama_dir), num_kv_blocks=256, max_model_len=512)
+    config = _config(tiny_llama_dir, num_kv_blocks=256, max_model_len=512)
     params = SamplingParams(n=8, temperature=1.0, seed=1, max_tokens=256, logprobs=20, ignore_eos=True)
 
     async def main():
@@ -51,7 +57,7 @@ def test_n8_top_logprobs_20_completes_on_uvloop(tiny_llama_dir):
 
 
 def test_a_flood_of_concurrent_streams_on_uvloop(tiny_llama_dir):
-    config = EngineConfig(model=str(tiny_llama_dir), num_kv_blocks=512, max_model_len=512, max_num_seqs=16)
+    config = _config(tiny_llama_dir, num_kv_blocks=512, max_model_len=512, max_num_seqs=16)
     prompt = " ".join(["word"] * 300)
     params = SamplingParams(temperature=1.0, max_tokens=128, logprobs=5, ignore_eos=True)
 
@@ -70,7 +76,7 @@ def test_a_flood_of_concurrent_streams_on_uvloop(tiny_llama_dir):
 def test_the_loops_work_per_output_stays_flat_as_a_request_grows(tiny_llama_dir):
     # What the event loop spends per output (reading the pipe, folding the delta, handing the output
     # over) must not grow with the request's length: with cumulative outputs it grew with every token.
-    config = EngineConfig(model=str(tiny_llama_dir), num_kv_blocks=256, max_model_len=2048)
+    config = _config(tiny_llama_dir, num_kv_blocks=256, max_model_len=2048)
     params = SamplingParams(temperature=1.0, seed=2, max_tokens=800, logprobs=20, ignore_eos=True)
 
     async def main():
@@ -102,7 +108,7 @@ def test_structured_outputs_and_penalties_cross_the_pipe_on_uvloop(tiny_llama_di
 
     from engine import StructuredOutput, StructuredOutputError
 
-    config = EngineConfig(model=str(tiny_llama_dir), num_kv_blocks=128, max_model_len=512)
+    config = _config(tiny_llama_dir, num_kv_blocks=128, max_model_len=512)
     schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99},
                                                "ok": {"type": "boolean"}},
               "required": ["n", "ok"], "additionalProperties": False}

@@ -23,13 +23,16 @@ pytestmark = pytest.mark.timeout(300)
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 LONG = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
 HEALTHY = [30, 31, 32, 33]
+# Only ``fast`` requests: without batch_invariant an engine skips its start-up check of row-invariant
+# matmuls (over a second of each engine or process start on two cores; test_determinism covers it).
+_MODES = ("fast", "fixed")
 POISONED = [40, 41, *faulty_model.MARK, 42]
 
 
 @pytest.fixture
 def engine(tiny_engine_factory, monkeypatch):
     monkeypatch.setattr(LlamaForCausalLM, "forward", faulty_model.planted(LlamaForCausalLM.forward))
-    return tiny_engine_factory(num_kv_blocks=32, max_model_len=256)
+    return tiny_engine_factory(num_kv_blocks=32, max_model_len=256, determinism_modes=_MODES)
 
 
 def test_a_failing_request_fails_alone_and_its_blocks_are_freed(engine):
@@ -91,7 +94,8 @@ async def _served_after_restart(engine: ProcessLLMEngine, timeout_s: float = 120
 
 
 def test_through_the_engine_process_on_uvloop(tiny_llama_dir):
-    config = EngineConfig(model=str(tiny_llama_dir), num_kv_blocks=32, max_model_len=256)
+    config = EngineConfig(model=str(tiny_llama_dir), num_kv_blocks=32, max_model_len=256,
+                          determinism_modes=_MODES)
 
     async def main():
         engine = ProcessLLMEngine(config, initializer=faulty_model.install)

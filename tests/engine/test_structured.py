@@ -41,9 +41,15 @@ TINY_SCHEMAS = [
 ]
 
 
+# No batch_invariant request here: without that mode an engine skips its start-up check of row-invariant
+# matmuls (over a second of a tiny engine's start on two cores, more for the default model;
+# test_determinism covers it, grammars in batch_invariant mode included).
+_MODES = ("fast", "fixed")
+
+
 @pytest.fixture(scope="module")
 def engine(tiny_engine_factory):
-    return tiny_engine_factory(num_kv_blocks=128, max_model_len=512)
+    return tiny_engine_factory(num_kv_blocks=128, max_model_len=512, determinism_modes=_MODES)
 
 
 def _json_params(schema: dict, **kw) -> SamplingParams:
@@ -137,7 +143,7 @@ def test_cache_entries_are_per_cache_key(engine):
 def test_a_preempted_structured_sequence_keeps_its_grammar(tiny_engine_factory):
     # A pool too small for all of them: sequences are preempted and recomputed mid-grammar, and their
     # matchers must neither lose nor replay a token.
-    engine = tiny_engine_factory(num_kv_blocks=10, max_model_len=512)
+    engine = tiny_engine_factory(num_kv_blocks=10, max_model_len=512, determinism_modes=_MODES)
     schema = TINY_SCHEMAS[3]
     params = [_json_params(schema, temperature=1.0, seed=i, max_tokens=80) for i in range(4)]
     prompts = [[200 + 7 * i + j for j in range(70)] for i in range(4)]  # 5 blocks each: 4 cannot all fit
@@ -161,7 +167,8 @@ def test_a_request_aborted_while_its_grammar_compiles_leaves_nothing(engine):
 def test_default_model_writes_valid_json_for_free_form_schemas(default_model_dir):
     from engine import EngineConfig, LLMEngine
 
-    engine = LLMEngine(EngineConfig(model=str(default_model_dir), num_kv_blocks=256, max_model_len=1024))
+    engine = LLMEngine(EngineConfig(model=str(default_model_dir), num_kv_blocks=256, max_model_len=1024,
+                                    determinism_modes=_MODES))
     # Bounded strings and arrays: a small model's greedy text can loop inside a string (the grammar allows
     # it, and where it loops depends on the CPU's bfloat16 arithmetic); with bounds the grammar itself
     # closes every string and the array, so 256 tokens always reach the end of the object.
@@ -211,8 +218,8 @@ def test_a_fixed_stream_with_grammars_replays_bit_for_bit(tiny_engine_factory):
                               presence_penalty=0.3, structured=structured if i % 2 else None)
 
     items = [StreamItem(i // 2, f"r{i}", [100 + i, 200 + i, 300], params(i)) for i in range(6)]
-    engines = [tiny_engine_factory(num_kv_blocks=40, max_num_batched_tokens=48, dtype="float32")
-               for _ in range(2)]
+    engines = [tiny_engine_factory(num_kv_blocks=40, max_num_batched_tokens=48, dtype="float32",
+                                   determinism_modes=_MODES) for _ in range(2)]
     for it in items:
         if it.params.structured is not None:
             engines[0].grammars.compiler.check(it.params.structured)
