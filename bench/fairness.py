@@ -1,7 +1,8 @@
 """`kvgate bench fairness`: one tenant floods the engine, another keeps asking; fair share against FCFS.
 
 The engine runs as `kvgate serve` runs it (a child process, its event loop reading the pipe), with
-`EngineConfig()`'s defaults. For each scheduling policy, in one run:
+`EngineConfig()`'s defaults but for the determinism modes: only the fast mode, the one every request here
+runs in. For each scheduling policy, in one run:
 
 1. **alone**: tenant B sends its requests one at a time on an idle engine (its TTFT and tokens/s);
 2. **flood**: tenant A keeps ``flood`` long requests in flight (topped up as they finish) while B sends
@@ -26,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from bench.workload import corpus_text, percentile
@@ -36,6 +37,7 @@ from bench.workload import corpus_text, percentile
 class FairnessConfig:
     seconds: float = 60.0        # length of each phase
     warmup_s: float = 15.0       # of each phase, not judged (the flood's first prefills)
+    kernel_warmup_s: float = 3.0  # B alone on a new engine before the phases, in no figure (first runs)
     flood: int = 64              # tenant A's requests in flight
     b_backlog: int = 32          # tenant B's requests in flight in the share phase
     a_prompt: int = 256          # tokens
@@ -63,11 +65,16 @@ class TenantLog:
 
 
 class Prompts:
-    """Distinct prompts cut from real text (no prefix-cache hits across requests)."""
+    """Distinct prompts cut from real text (no prefix-cache hits across requests): ``ids``, the corpus'
+    token ids (``Prompts.tokenize``)."""
 
-    def __init__(self, tokenizer) -> None:
-        self.ids = tokenizer.encode(corpus_text(), add_special_tokens=False)
+    def __init__(self, ids: list[int]) -> None:
+        self.ids = ids
         self.offset = 0
+
+    @staticmethod
+    def tokenize(tokenizer) -> list[int]:
+        return tokenizer.encode(corpus_text(), add_special_tokens=False)
 
     def take(self, n: int) -> list[int]:
         if self.offset + n >= len(self.ids):
@@ -146,17 +153,26 @@ async def _phase(engine, cfg: FairnessConfig, prompts: Prompts, *, a_clients: in
     return row
 
 
-async def _run_policy(policy: str, cfg: FairnessConfig) -> list[dict]:
+async def _run_policy(policy: str, cfg: FairnessConfig, corpus: list[list[int]]) -> list[dict]:
+    """Every phase under ``policy`` on an engine of its own; ``corpus`` holds the corpus' token ids once
+    the first policy's engine has tokenized them (the same model's tokenizer, so the same ids)."""
     from engine import EngineConfig
+    from engine.determinism import FAST
     from engine.process import ProcessLLMEngine
 
-    engine = ProcessLLMEngine(EngineConfig(model=cfg.model, scheduling_policy=policy))
+    # Every request here runs in the fast mode: the other modes' start-up (batch_invariant proves its
+    # kernels on every linear, seconds of each start) would only delay the phases.
+    config = EngineConfig(model=cfg.model, scheduling_policy=policy, determinism_modes=(FAST,))
+    engine = ProcessLLMEngine(config)
     engine.start()
-    prompts = Prompts(engine.tokenizer)
+    if not corpus:
+        corpus.append(Prompts.tokenize(engine.tokenizer))
+    prompts = Prompts(corpus[0])
     rows = []
     try:
-        warm = FairnessConfig(seconds=min(3.0, cfg.seconds), warmup_s=0, model=cfg.model)
-        await _phase(engine, warm, prompts, a_clients=0, b_clients=1, weights=(1, 1))  # warm the kernels
+        if warm_s := min(cfg.kernel_warmup_s, cfg.seconds):  # warm the kernels on B's own requests
+            warm = replace(cfg, seconds=warm_s, warmup_s=0)
+            await _phase(engine, warm, prompts, a_clients=0, b_clients=1, weights=(1, 1))
         alone = await _phase(engine, cfg, prompts, a_clients=0, b_clients=1, weights=(1, 1))
         rows.append({"policy": policy, "phase": "alone", **alone})
         print(format_table(rows[-1:]), flush=True)
@@ -180,9 +196,10 @@ def run_fairness(cfg: FairnessConfig, out: str) -> list[dict]:
         runner = uvloop.run
     except ImportError:  # pragma: no cover - uvloop is a dependency
         runner = asyncio.run
-    rows = []
+    rows: list[dict] = []
+    corpus: list[list[int]] = []
     for policy in cfg.policies:
-        rows += runner(_run_policy(policy, cfg))
+        rows += runner(_run_policy(policy, cfg, corpus))
     report = {"config": asdict(cfg), "rows": rows, "verdict": verdict(rows)}
     Path(out).write_text(json.dumps(report, indent=2))
     return rows

@@ -66,6 +66,7 @@ PEERS = ("engine", "engine-paced", "https-chat", "https-chat-httpx", "https-chat
 _VARIANTS = {"https": ServerVariant("https"), "https-nosync": ServerVariant("https-nosync", durable=False),
              "https-noaudit": ServerVariant("https-noaudit", audit=False),
              "http": ServerVariant("http", insecure_http=True)}
+START_TIMEOUT_S = 600.0  # the servers start together, beside this process's engine, on busy cores
 _PEER_VARIANT = {"https-chat": "https", "https-chat-httpx": "https", "https-models": "https",
                  "https-healthz": "https", "https-chat-nosync": "https-nosync",
                  "https-chat-noaudit": "https-noaudit", "http-chat": "http",
@@ -185,6 +186,7 @@ def _run(cfg: GatewayBenchConfig, data_dir: Path) -> dict[str, Any]:
     from engine import AsyncLLMEngine
     from engine.testing import make_tiny_model_dir
     from gateway.settings import Settings
+    from gateway.tls import ensure_tls
 
     data_dir.mkdir(parents=True, exist_ok=True)
     model = cfg.model
@@ -199,10 +201,14 @@ def _run(cfg: GatewayBenchConfig, data_dir: Path) -> dict[str, Any]:
     try:
         baseline = ServerVariant("https-baseline", root=_checkout(cfg.baseline))
         variants = _VARIANTS | {"https-baseline": baseline}
+        # The variants share the data dir: its TLS files are made once here, not by servers racing
+        ensure_tls(settings.data_dir, ("127.0.0.1",))
         for variant in dict.fromkeys(_PEER_VARIANT[p] for p in cfg.peer_names if p in _PEER_VARIANT):
-            servers[variant] = GatewayServer(settings, variants[variant]).start()
+            servers[variant] = GatewayServer(settings, variants[variant]).launch()
         engine = AsyncLLMEngine(settings.engine_config())  # the very config `kvgate serve` builds
-        engine.start()
+        engine.start()  # while the servers start
+        for server in servers.values():
+            server.wait_ready(START_TIMEOUT_S)
         work, rows = asyncio.run(_run_levels(cfg, engine, tenant_id, api_key, servers, data_dir))
         config = _describe(cfg, settings, engine, work)
     finally:

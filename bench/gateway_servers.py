@@ -114,9 +114,20 @@ class GatewayServer:
         return False if self.variant.insecure_http else ssl.create_default_context(cafile=str(self.ca))
 
     def start(self, timeout_s: float = 180.0) -> GatewayServer:
+        return self.launch().wait_ready(timeout_s)
+
+    def launch(self) -> GatewayServer:
+        """Start the process and return at once (``wait_ready`` waits for it): servers launched together
+        start together, each start being mostly imports and model loading on a core of its own."""
         with open(self.log_path, "wb") as log:
             self._proc = subprocess.Popen(self._argv, env=self._env, cwd=self.variant.root, stdout=log,
                                           stderr=subprocess.STDOUT)
+        return self
+
+    def wait_ready(self, timeout_s: float = 180.0) -> GatewayServer:
+        """Wait until ``/readyz`` answers 200; stops the server and raises RuntimeError if it exits first
+        or ``timeout_s`` passes."""
+        assert self._proc is not None, "launch() first"
         deadline = time.monotonic() + timeout_s
         while not self._is_ready():
             if self._proc.poll() is not None or time.monotonic() > deadline:

@@ -165,7 +165,7 @@ async def _until_drained(sampler: Sampler, timeout_s: float) -> bool:
         s = await sampler.take()
         if s.admitted == 0 and s.running == 0 and s.waiting == 0:
             return True
-        await asyncio.sleep(1.0)
+        await asyncio.sleep(min(1.0, sampler.every_s))  # a run sampled more often also drains sooner
     return False
 
 

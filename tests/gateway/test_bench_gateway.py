@@ -9,7 +9,8 @@ from bench.gateway_bench import GatewayBenchConfig, format_table, run_gateway_be
 from bench.gateway_servers import ROOT
 
 
-def test_small_run_measures_gateway_and_engine_side_by_side(tmp_path, tiny_model_dir, capsys):
+def test_small_run_measures_gateway_and_engine_side_by_side(tmp_path, tiny_model_dir, capsys, monkeypatch):
+    monkeypatch.setenv("KVGATE_DETERMINISM_MODES", "fast")  # no kernel builds at the engines' starts
     cfg = GatewayBenchConfig(num_requests=6, num_warmup=2, concurrency=(1, 2), rates=(200.0,), num_rounds=2,
                              peers=("engine-paced", "https-chat", "https-chat-httpx", "https-healthz",
                                     "disk-fsync"),

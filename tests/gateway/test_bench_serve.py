@@ -141,12 +141,15 @@ def test_unknown_server_is_refused_before_anything_starts(tmp_path):
         run_serve_bench(ServeBenchConfig(), str(tmp_path / "x.json"), ("vllm",))
 
 
-def test_small_run_against_real_servers(tmp_path, tiny_model_dir, capsys):
+def test_small_run_against_real_servers(tmp_path, tiny_model_dir, capsys, monkeypatch):
     """kvgate serve on the tiny model (llama-server on the default GGUF when it is built): every request
     generates exactly its max_tokens, on both endpoints' worth of scenarios."""
+    monkeypatch.setenv("KVGATE_DETERMINISM_MODES", "fast")  # no kernel builds at start-up
     cfg = ServeBenchConfig(num_requests=3, num_serial=2, prompt_range=(8, 24), new_range=(4, 9))
     out = tmp_path / "serve.json"
-    report = run_serve_bench(cfg, str(out), kvgate_overrides={"model": str(tiny_model_dir)})
+    # a pool for three short requests, not one sized by free memory (gigabytes zeroed at start-up)
+    overrides = {"model": str(tiny_model_dir), "num_kv_blocks": 256}
+    report = run_serve_bench(cfg, str(out), kvgate_overrides=overrides)
     prompts = {s.name: s.prompts for s in make_scenarios(load_tokenizer(resolve_model_dir(None)), cfg)}
     assert json.loads(out.read_text()) == json.loads(json.dumps(report))
     is_built = llamacpp.find_binary("llama-server") is not None

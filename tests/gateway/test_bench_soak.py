@@ -19,10 +19,17 @@ pytestmark = pytest.mark.timeout(600)
 def test_a_short_timed_soak_accounts_for_every_request(tmp_path: Path, tiny_model_dir: Path,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVGATE_DETERMINISM_MODES", "fast")  # no kernel builds at start-up
+    # A pool for the four sequences instead of one sized by free memory (gigabytes zeroed at start-up)
+    monkeypatch.setenv("KVGATE_NUM_KV_BLOCKS", "256")
     out = tmp_path / "soak.json"
-    args = ["bench", "soak", "--minutes", "0.3", "--overload", "2", "--calibrate-s", "6", "--sample-s", "1",
-            "--model", str(tiny_model_dir), "--dtype", "float32", "--max-num-seqs", "4", "--max-tokens", "48",
-            "--prompt-words", "60", "--tight-fraction", "0.3", "--abort-fraction", "0.3", "--out", str(out)]
+    # Nine seconds of traffic (two report intervals) after three of calibration: the record's shape and
+    # accounting are checked here, not its figures. Four times the capacity offers as many requests in
+    # those nine seconds as twice it did in eighteen, enough for the tight tenant's 429s and the 503s of a
+    # full queue beside the answers and aborts.
+    args = ["bench", "soak", "--minutes", "0.15", "--overload", "4", "--calibrate-s", "3",
+            "--sample-s", "0.5", "--model", str(tiny_model_dir), "--dtype", "float32", "--max-num-seqs", "4",
+            "--max-tokens", "48", "--prompt-words", "60", "--tight-fraction", "0.3",
+            "--abort-fraction", "0.3", "--out", str(out)]
     result = CliRunner().invoke(app, args)
     assert out.exists(), result.output
     data = json.loads(out.read_text())
@@ -33,9 +40,9 @@ def test_a_short_timed_soak_accounts_for_every_request(tmp_path: Path, tiny_mode
     assert set(summary["outcomes"]) == set(OUTCOMES)
     assert sum(summary["outcomes"].values()) == summary["num_requests"] == len(results) > 0
     assert sum(summary["details"].values()) == summary["num_requests"] - summary["outcomes"]["ok"]
-    assert summary["seconds"] >= 0.3 * 60  # the offered load spans the minutes asked for, arrivals or not
+    assert summary["seconds"] >= 0.15 * 60  # the offered load spans the minutes asked for, arrivals or not
     per_interval = [sum(row["outcomes"].values()) for row in summary["intervals"]]
-    assert sum(per_interval) == len(results)  # every request arrived within the offered load's span
+    assert len(per_interval) == 2 and sum(per_interval) == len(results)  # all arrived within the span
     for r in results:
         assert r["outcome"] in OUTCOMES and r["tenant"] in ("tight", "steady-0", "steady-1", "steady-2")
         assert r["latency_s"] >= 0 and r["num_tokens"] >= 0

@@ -12,7 +12,9 @@ from bench.upstream_bench import UpstreamBenchConfig, run_upstream_bench
 pytestmark = pytest.mark.timeout(900)
 
 
-def test_small_run_measures_the_upstream_and_the_gateway_in_front_of_it(tmp_path, tiny_model_dir, capsys):
+def test_small_run_measures_the_upstream_and_the_gateway_in_front_of_it(tmp_path, tiny_model_dir, capsys,
+                                                                        monkeypatch):
+    monkeypatch.setenv("KVGATE_DETERMINISM_MODES", "fast")  # no kernel builds at either server's start
     cfg = UpstreamBenchConfig(num_requests=6, num_warmup=2, concurrency=(1, 2), num_rounds=2,
                               model=str(tiny_model_dir))
     out = tmp_path / "upstream.json"
