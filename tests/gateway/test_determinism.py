@@ -43,7 +43,10 @@ async def test_every_chunk_carries_the_fingerprint(gw: Gateway, path: str) -> No
     r = await gw.client.post(path, headers=h, json=body)
     assert r.status_code == 200, r.text
     events = sse_events(r.text)
-    assert len(events) >= 3 and events[-1]["usage"] is not None
+    # At least one chunk with text and the usage chunk: a stream read behind the engine gets every token
+    # since its last read in one chunk, so on a busy machine the 4 tokens can all come in one.
+    assert len(events) >= 2 and events[-1]["usage"] is not None
+    assert any(e["choices"] for e in events[:-1])
     assert {e["system_fingerprint"] for e in events} == {gw.runtime.engine.determinism.fingerprints["fixed"]}
 
 
