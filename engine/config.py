@@ -38,9 +38,11 @@ class EngineConfig:
             (glibc's ``malloc_trim``; ``engine.allocator.HeapTrimmer``) when the engine goes idle and
             every this many seconds while it works, so RSS stays flat under ever-changing bfloat16
             matmul shapes; 0 turns it off.
-        fused_decode: Run every layer of a decode-only step on the 4-bit copies in one C++ call (plain
-            loops for the norms, RoPE, activation and residuals between ATen's int4 matmuls and the fused
-            attention kernel) instead of ~35 torch ops a layer; off runs the same arithmetic op by op.
+        fused_decode: Run every layer of a decode-only step of a bfloat16 model on the CPU in one C++ call
+            (plain loops for the norms, RoPE, activation and residuals between the matmuls, on the 4-bit
+            copies for steps of at most ``int4_max_rows`` rows and on the dense weights above, and the
+            fused attention kernel) instead of ~35 torch ops and as many trips through Python a layer;
+            off runs the same arithmetic op by op.
         kv_cache_dtype: ``auto`` (float32 on the CPU, where small-M bfloat16 batched matmuls are ~10x
             slower than float32 ones and decode attention is all small-M; the model dtype on GPUs), an
             explicit dtype, or ``int8`` / ``fp8`` (e4m3; CUDA GPUs of compute capability 8.9 and up):

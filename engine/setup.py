@@ -140,6 +140,9 @@ def build_model(config: EngineConfig, mc: ModelConfig, state: dict, max_model_le
     _maybe_pack_int4(config, model, dtype, device)
     model = model.to(device=device, dtype=dtype).eval()
     model.place_head()
+    # the fused step has no bias terms: models with any (Qwen2's qkv) decode layer by layer
+    model.fused_dense = (config.fused_decode and device.type == "cpu" and dtype == torch.bfloat16
+                         and not (mc.qkv_bias or mc.o_bias))
     return model
 
 

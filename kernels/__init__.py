@@ -5,6 +5,7 @@ from kernels.cpu_ext import (
            KernelBuildError,
            decode_kernel_loaded,
            fused_decode_layers,
+           fused_dense_layers,
            load_cpu_kernels,
            load_decode_kernel,
            paged_attention_rows,
@@ -21,6 +22,6 @@ from kernels.paged_attention import (
 from kernels.store_kv import store_kv
 
 __all__ = ["AttentionMetadata", "DecodeGroup", "DecodeLayerWeights", "InvariantRows", "KernelBuildError",
-           "PrefillSpan", "decode_kernel_loaded", "decode_rows", "fused_decode_layers", "load_cpu_kernels",
-           "load_decode_kernel", "paged_attention", "paged_attention_rows", "paged_decode_attention",
-           "store_kv"]
+           "PrefillSpan", "decode_kernel_loaded", "decode_rows", "fused_decode_layers", "fused_dense_layers",
+           "load_cpu_kernels", "load_decode_kernel", "paged_attention", "paged_attention_rows",
+           "paged_decode_attention", "store_kv"]

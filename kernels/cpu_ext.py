@@ -252,12 +252,42 @@ def fused_decode_layers(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w
     Raises:
         RuntimeError: the kernel is not loaded, or a shape, dtype, slot or block id is out of range.
     """
+    return _fused_call("fused_decode_layers", x, cos, sin, (weights.norms, weights.nibbles, weights.scales,
+                       weights.mins), kv_caches, slot_mapping, decode_rows, heads, eps, scale)
+
+
+def fused_dense_layers(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, norms: list[torch.Tensor],
+                       weights: list[torch.Tensor], kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                       slot_mapping: torch.Tensor, decode_rows: tuple[torch.Tensor, torch.Tensor],
+                       heads: tuple[int, int, int], eps: float, scale: float) -> torch.Tensor:
+    """Every decoder layer of a decode-only step on the dense bfloat16 weights, in one call: what
+    ``fused_decode_layers`` does, with ATen's bfloat16 linear for the matmuls (for steps of any size).
+
+    Args:
+        norms: the two RMSNorm weights of every layer (bfloat16 [hidden]), in layer order.
+        weights: qkv, o, gate_up and down of every layer (bfloat16 [out, in], no biases), in layer order.
+        The other arguments are ``fused_decode_layers``'s.
+
+    Returns:
+        [rows, hidden] bfloat16: the last layer's output (before the final norm).
+
+    Raises:
+        RuntimeError: the kernel is not loaded, or a shape, dtype, slot or block id is out of range.
+    """
+    return _fused_call("fused_dense_layers", x, cos, sin, (norms, weights), kv_caches, slot_mapping,
+                       decode_rows, heads, eps, scale)
+
+
+def _fused_call(name: str, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weights: tuple,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], slot_mapping: torch.Tensor,
+                decode_rows: tuple[torch.Tensor, torch.Tensor], heads: tuple[int, int, int], eps: float,
+                scale: float) -> torch.Tensor:
     if _DECODE.module is None:
         raise RuntimeError("the fused decode kernel is not loaded: call load_decode_kernel first")
     tables, lens = decode_rows
-    return _DECODE.module.fused_decode_layers(
-        x, cos, sin, weights.norms, weights.nibbles, weights.scales, weights.mins, [k for k, _ in kv_caches],
-        [v for _, v in kv_caches], slot_mapping, tables, lens, *heads, eps, scale)
+    return getattr(_DECODE.module, name)(x, cos, sin, *weights, [k for k, _ in kv_caches],
+                                         [v for _, v in kv_caches], slot_mapping, tables, lens, *heads, eps,
+                                         scale)
 
 
 def q4_linear(x: torch.Tensor, nibbles: torch.Tensor, scales: torch.Tensor,

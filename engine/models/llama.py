@@ -16,6 +16,7 @@ from kernels import (
            decode_kernel_loaded,
            decode_rows,
            fused_decode_layers,
+           fused_dense_layers,
            int8,
            paged_attention,
            store_kv,
@@ -110,6 +111,9 @@ class LlamaForCausalLM(nn.Module):
         self.head_int8: int8.Int8Weight | None = None  # the LM head's 8-bit copy for as few rows
         self.fused_decode = False  # decode-only steps on the 4-bit copies run as one C++ call
         self._fused_weights: DecodeLayerWeights | None = None
+        # Bigger decode-only steps (or any, without 4-bit copies) run as one C++ call on the dense weights
+        self.fused_dense = False
+        self._dense_weights: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
         self.init_rope(max_model_len)
 
     def init_rope(self, max_model_len: int) -> None:
@@ -126,30 +130,38 @@ class LlamaForCausalLM(nn.Module):
         cos = self.cos_cache[positions].to(x.dtype).unsqueeze(1)
         sin = self.sin_cache[positions].to(x.dtype).unsqueeze(1)
         use_int4 = meta.linear_plan is None and x.shape[0] <= self.int4_max_rows
-        if use_int4 and self._can_fuse(x, meta, kv_caches):
-            return self._fused_forward(x, cos, sin, meta, kv_caches)
+        if (self.fused_decode if use_int4 else self.fused_dense) and self._can_fuse(x, meta, kv_caches):
+            return self._fused_forward(x, cos, sin, meta, kv_caches, use_int4)
         for layer, kv in zip(self.layers, kv_caches, strict=True):
             x = layer(x, cos, sin, meta, kv, use_int4)
         return x
 
     def _can_fuse(self, x: torch.Tensor, meta: AttentionMetadata,
                   kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
-        """A decode-only step of the fast path on the CPU, which ``fused_decode_layers`` runs whole."""
-        return (self.fused_decode and not meta.prefills and meta.invariant is None
+        """A decode-only step of the fast path on the CPU, which the fused C++ layers run whole."""
+        return (not meta.prefills and meta.invariant is None
                 and meta.num_decode_tokens == x.shape[0] and x.dtype == torch.bfloat16
                 and kv_caches[0][0].dtype in (torch.float32, torch.bfloat16) and decode_kernel_loaded())
 
     def _fused_forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
-                       kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+                       kv_caches: list[tuple[torch.Tensor, torch.Tensor]], use_int4: bool) -> torch.Tensor:
+        first = self.layers[0]
+        heads = (first.num_heads, first.num_kv_heads, first.head_dim)
+        rows = decode_rows(meta, kv_caches[0][0].shape[1])
+        if not use_int4:
+            if self._dense_weights is None:
+                self._dense_weights = (
+                    [n.detach() for layer in self.layers for n in (layer.input_norm, layer.post_norm)],
+                    [getattr(layer, p).weight.detach() for layer in self.layers for p in _PROJECTIONS])
+            return fused_dense_layers(x, cos[:, 0], sin[:, 0], *self._dense_weights, kv_caches,
+                                      meta.slot_mapping, rows, heads, first.eps, first.scale)
         if self._fused_weights is None:
             self._fused_weights = DecodeLayerWeights(
                 [n for layer in self.layers for n in (layer.input_norm.detach(), layer.post_norm.detach())],
                 *([getattr(layer.int4[p], part) for layer in self.layers for p in _PROJECTIONS]
                   for part in ("nibbles", "scales", "mins")))
-        first = self.layers[0]
-        heads = (first.num_heads, first.num_kv_heads, first.head_dim)
         return fused_decode_layers(x, cos[:, 0], sin[:, 0], self._fused_weights, kv_caches, meta.slot_mapping,
-                                   decode_rows(meta, kv_caches[0][0].shape[1]), heads, first.eps, first.scale)
+                                   rows, heads, first.eps, first.scale)
 
     def pack_int4(self, max_rows: int, exact_only: bool) -> bool:
         """Keep a 4-bit copy of every layer's weights for steps of at most ``max_rows`` tokens (the model

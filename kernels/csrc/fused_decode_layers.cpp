@@ -1,14 +1,17 @@
-// Every decoder layer of a few-row decode step in one call (the CPU's fast path with 4-bit weights).
+// Every decoder layer of a decode-only step in one call (the CPU's fast path for bfloat16 models).
 //
-// A one-token step of a small model is bound by dispatch, not arithmetic: each layer is ~35 torch ops
-// (norms, RoPE, casts, residual adds, the KV write) of 1-5 us each around four 4-bit matmuls. Here the
-// elementwise work runs as plain loops over the step's few rows, the matmuls are q4_linear's (int8 rows
-// against 4-bit weights) and attention is the fused paged kernel, all without returning to Python.
+// A decode step of a small model spends much of its time between its matmuls: each layer is ~35 torch
+// ops (norms, RoPE, casts, residual adds, the KV write) of 1-5 us of dispatch each, and as many trips
+// through Python. Here the elementwise work runs as plain loops over the step's rows, attention is the
+// fused paged kernel, and the matmuls are either q4_linear's (int8 rows against the 4-bit weights, for
+// steps of a few rows, which are bound by reading the weights) or ATen's bfloat16 linear (dense weights,
+// for bigger steps, which are bound by arithmetic), all without returning to Python.
 //
 // Each elementwise op rounds to bfloat16 where torch's bfloat16 op would (RMSNorm's statistics in
 // float32 then the weight product, RoPE's two products and their sum, SiLU then the gate product,
 // residual adds), so results match the layer-by-layer path up to the order of RMSNorm's float32 sum.
 #include <torch/extension.h>
+#include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 
 #include <cmath>
@@ -31,33 +34,47 @@ struct Shape {
   int64_t kv_width() const { return num_kv_heads * head_dim; }
 };
 
+// Rows [begin, end) of the step to fn, split over torch's threads in chunks of kRowGrain rows: a step of
+// a few rows runs on the calling thread (a thread hand-off costs more than its loops), a 64-row step's
+// SiLU and RoPE on every core.
+constexpr int64_t kRowGrain = 16;
+
+template <typename Fn>
+void for_rows(int64_t rows, const Fn& fn) {
+  at::parallel_for(0, rows, kRowGrain, fn);
+}
+
 // out = weight * bf16(x * rsqrt(mean(x^2) + eps)), per row; x, out: [rows, hidden].
 void rms_norm(const bf16* x, const bf16* weight, bf16* out, const Shape& s) {
-  for (int64_t i = 0; i < s.rows; ++i) {
-    const bf16* row = x + i * s.hidden;
-    float sum = 0.f;
-    for (int64_t j = 0; j < s.hidden; ++j) sum += f(row[j]) * f(row[j]);
-    const float inv = 1.f / std::sqrt(sum / static_cast<float>(s.hidden) + static_cast<float>(s.eps));
-    for (int64_t j = 0; j < s.hidden; ++j) out[i * s.hidden + j] = r(f(weight[j]) * f(r(f(row[j]) * inv)));
-  }
+  for_rows(s.rows, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const bf16* row = x + i * s.hidden;
+      float sum = 0.f;
+      for (int64_t j = 0; j < s.hidden; ++j) sum += f(row[j]) * f(row[j]);
+      const float inv = 1.f / std::sqrt(sum / static_cast<float>(s.hidden) + static_cast<float>(s.eps));
+      for (int64_t j = 0; j < s.hidden; ++j) out[i * s.hidden + j] = r(f(weight[j]) * f(r(f(row[j]) * inv)));
+    }
+  });
 }
 
 // Rotate-half RoPE of `heads` heads starting at src (row stride src_stride) into dst ([rows, heads, Dh]).
 void rope(const bf16* src, int64_t src_stride, int64_t heads, const bf16* cos, const bf16* sin, bf16* dst,
           const Shape& s) {
   const int64_t d = s.head_dim, half = d / 2;
-  for (int64_t i = 0; i < s.rows; ++i) {
-    const bf16* c = cos + i * d;
-    const bf16* sn = sin + i * d;
-    for (int64_t h = 0; h < heads; ++h) {
-      const bf16* x = src + i * src_stride + h * d;
-      bf16* o = dst + (i * heads + h) * d;
-      for (int64_t j = 0; j < d; ++j) {
-        const float rotated = j < half ? -f(x[j + half]) : f(x[j - half]);
-        o[j] = r(f(r(f(x[j]) * f(c[j]))) + f(r(rotated * f(sn[j]))));
+  for_rows(s.rows, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const bf16* c = cos + i * d;
+      const bf16* sn = sin + i * d;
+      for (int64_t h = 0; h < heads; ++h) {
+        const bf16* x = src + i * src_stride + h * d;
+        bf16* o = dst + (i * heads + h) * d;
+        for (int64_t j = 0; j < d; ++j) {
+          const float rotated = j < half ? -f(x[j + half]) : f(x[j - half]);
+          o[j] = r(f(r(f(x[j]) * f(c[j]))) + f(r(rotated * f(sn[j]))));
+        }
       }
     }
-  }
+  });
 }
 
 // Write the step's roped K and its V into their cache slots (the cache may be float32 or bfloat16).
@@ -75,39 +92,47 @@ void store(const bf16* k, const bf16* v, int64_t v_stride, const int64_t* slots,
   }
 }
 
-// x += y, rounding each sum to bfloat16; n elements.
-void add_into(bf16* x, const bf16* y, int64_t n) {
-  for (int64_t j = 0; j < n; ++j) x[j] = r(f(x[j]) + f(y[j]));
+// x += y, rounding each sum to bfloat16; rows of `width` elements.
+void add_into(bf16* x, const bf16* y, int64_t rows, int64_t width) {
+  for_rows(rows, [&](int64_t begin, int64_t end) {
+    for (int64_t j = begin * width; j < end * width; ++j) x[j] = r(f(x[j]) + f(y[j]));
+  });
 }
 
 // act = bf16(silu(gate)) * up, per row of gate_up [rows, 2 * inter] (gate first).
 void silu_mul(const bf16* gate_up, bf16* act, int64_t rows, int64_t inter) {
-  for (int64_t i = 0; i < rows; ++i) {
-    const bf16* g = gate_up + i * 2 * inter;
-    for (int64_t j = 0; j < inter; ++j) {
-      const float gv = f(g[j]);
-      act[i * inter + j] = r(f(r(gv / (1.f + std::exp(-gv)))) * f(g[inter + j]));
+  for_rows(rows, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const bf16* g = gate_up + i * 2 * inter;
+      for (int64_t j = 0; j < inter; ++j) {
+        const float gv = f(g[j]);
+        act[i * inter + j] = r(f(r(gv / (1.f + std::exp(-gv)))) * f(g[inter + j]));
+      }
     }
-  }
+  });
 }
 
-// One projection's 4-bit weight: nibbles, scales, mins.
+// One projection's 4-bit weight (nibbles, scales, mins) times the step's rows.
 struct Q4 {
   const torch::Tensor *w, *scales, *mins;
+  torch::Tensor operator()(const torch::Tensor& x) const { return q4_linear(x, *w, *scales, *mins); }
 };
 
-torch::Tensor mm(const torch::Tensor& x, const Q4& q) { return q4_linear(x, *q.w, *q.scales, *q.mins); }
+// One projection's dense bfloat16 weight [out, in] times the step's rows: ATen's linear, the very call
+// the layer-by-layer path makes (oneDNN's bfloat16 GEMM on the CPU).
+struct Dense {
+  const torch::Tensor* w;
+  torch::Tensor operator()(const torch::Tensor& x) const { return at::linear(x, *w); }
+};
 
-void check_inputs(const torch::Tensor& x, const std::vector<torch::Tensor>& norms,
-                  const std::vector<torch::Tensor>& nibbles, const std::vector<torch::Tensor>& scales,
-                  const std::vector<torch::Tensor>& mins,
-                  const std::vector<torch::Tensor>& k_caches, const std::vector<torch::Tensor>& v_caches,
-                  const torch::Tensor& slots) {
+void check_inputs(const torch::Tensor& x, const std::vector<torch::Tensor>& norms, size_t weights_per_layer,
+                  size_t num_weights, const std::vector<torch::Tensor>& k_caches,
+                  const std::vector<torch::Tensor>& v_caches, const torch::Tensor& slots) {
   const size_t layers = k_caches.size();
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.is_contiguous(),
               "x must be a contiguous [rows, hidden] bfloat16 tensor");
-  TORCH_CHECK(norms.size() == 2 * layers && nibbles.size() == 4 * layers && scales.size() == 4 * layers &&
-                  mins.size() == 4 * layers && v_caches.size() == layers,
+  TORCH_CHECK(norms.size() == 2 * layers && num_weights == weights_per_layer * layers &&
+                  v_caches.size() == layers,
               "two norms, four weights and one K/V cache pair per layer");
   TORCH_CHECK(slots.scalar_type() == torch::kInt64 && slots.numel() == x.size(0), "one int64 slot per row");
   for (const auto& n : norms) {
@@ -129,13 +154,15 @@ void store_for(const torch::Tensor& qkv, const torch::Tensor& k_roped, const int
 }
 
 // One layer, in place on x ([rows, hidden] bfloat16). w: qkv, o, gate_up and down.
+template <typename W>
 void layer(torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin, const bf16* in_norm,
-           const bf16* post_norm, const Q4* w, const torch::Tensor& kc,
+           const bf16* post_norm, const W* w, const torch::Tensor& kc,
            const torch::Tensor& vc, const torch::Tensor& slots, const torch::Tensor& tables,
            const torch::Tensor& ctx, const Shape& s) {
   auto h = torch::empty_like(x);
   rms_norm(x.data_ptr<bf16>(), in_norm, h.data_ptr<bf16>(), s);
-  auto qkv = mm(h, w[0]);  // [rows, q + 2 kv]
+  const torch::Tensor qkv = w[0](h);  // [rows, q + 2 kv]
+  TORCH_CHECK(qkv.size(1) == s.q_width() + 2 * s.kv_width(), "the qkv weight does not match the heads");
   const int64_t width = qkv.size(1);
   auto q = torch::empty({s.rows, s.num_heads, s.head_dim}, x.options());
   auto k = torch::empty({s.rows, s.num_kv_heads, s.head_dim}, x.options());
@@ -150,27 +177,21 @@ void layer(torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
     store_for<bf16>(qkv, k, slots.data_ptr<int64_t>(), kc, vc, s);
   }
   auto attn = paged_decode_attention(q, kc, vc, tables, ctx, s.scale).view({s.rows, s.q_width()});
-  auto o = mm(attn, w[1]);
-  add_into(x.data_ptr<bf16>(), o.data_ptr<bf16>(), x.numel());
+  const torch::Tensor o = w[1](attn);
+  add_into(x.data_ptr<bf16>(), o.data_ptr<bf16>(), s.rows, s.hidden);
   rms_norm(x.data_ptr<bf16>(), post_norm, h.data_ptr<bf16>(), s);
-  auto gate_up = mm(h, w[2]);
+  const torch::Tensor gate_up = w[2](h);
   const int64_t inter = gate_up.size(1) / 2;
   auto act = torch::empty({s.rows, inter}, x.options());
   silu_mul(gate_up.data_ptr<bf16>(), act.data_ptr<bf16>(), s.rows, inter);
-  auto down = mm(act, w[3]);
-  add_into(x.data_ptr<bf16>(), down.data_ptr<bf16>(), x.numel());
+  const torch::Tensor down = w[3](act);
+  add_into(x.data_ptr<bf16>(), down.data_ptr<bf16>(), s.rows, s.hidden);
 }
 
-}  // namespace
-
-torch::Tensor fused_decode_layers(torch::Tensor x, torch::Tensor cos, torch::Tensor sin,
-                                  std::vector<torch::Tensor> norms, std::vector<torch::Tensor> nibbles,
-                                  std::vector<torch::Tensor> scales, std::vector<torch::Tensor> mins,
-                                  std::vector<torch::Tensor> k_caches,
-                                  std::vector<torch::Tensor> v_caches, torch::Tensor slot_mapping,
-                                  torch::Tensor block_tables, torch::Tensor context_lens, int64_t num_heads,
-                                  int64_t num_kv_heads, int64_t head_dim, double eps, double scale) {
-  check_inputs(x, norms, nibbles, scales, mins, k_caches, v_caches, slot_mapping);
+// What both entry points check and prepare: cos/sin, slots in range, and the step's shape.
+Shape prepare(const torch::Tensor& x, torch::Tensor& cos, torch::Tensor& sin, torch::Tensor& slot_mapping,
+              const std::vector<torch::Tensor>& k_caches, int64_t num_heads, int64_t num_kv_heads,
+              int64_t head_dim, double eps, double scale) {
   TORCH_CHECK(cos.scalar_type() == torch::kBFloat16 && sin.scalar_type() == torch::kBFloat16 &&
                   cos.numel() == x.size(0) * head_dim && sin.numel() == cos.numel(),
               "cos and sin must be bfloat16 [rows, head_dim]");
@@ -183,10 +204,48 @@ torch::Tensor fused_decode_layers(torch::Tensor x, torch::Tensor cos, torch::Ten
     const int64_t slot = slot_mapping.data_ptr<int64_t>()[i];
     TORCH_CHECK(slot >= 0 && slot < kv_slots, "slot ", slot, " of row ", i, " is out of range");
   }
+  return s;
+}
+
+}  // namespace
+
+torch::Tensor fused_decode_layers(torch::Tensor x, torch::Tensor cos, torch::Tensor sin,
+                                  std::vector<torch::Tensor> norms, std::vector<torch::Tensor> nibbles,
+                                  std::vector<torch::Tensor> scales, std::vector<torch::Tensor> mins,
+                                  std::vector<torch::Tensor> k_caches,
+                                  std::vector<torch::Tensor> v_caches, torch::Tensor slot_mapping,
+                                  torch::Tensor block_tables, torch::Tensor context_lens, int64_t num_heads,
+                                  int64_t num_kv_heads, int64_t head_dim, double eps, double scale) {
+  check_inputs(x, norms, 4, nibbles.size(), k_caches, v_caches, slot_mapping);
+  TORCH_CHECK(scales.size() == nibbles.size() && mins.size() == nibbles.size(),
+              "nibbles, scales and mins for every weight");
+  const Shape s = prepare(x, cos, sin, slot_mapping, k_caches, num_heads, num_kv_heads, head_dim, eps, scale);
   x = x.clone();
   for (size_t l = 0; l < k_caches.size(); ++l) {
     Q4 w[4];
     for (size_t i = 0; i < 4; ++i) w[i] = Q4{&nibbles[4 * l + i], &scales[4 * l + i], &mins[4 * l + i]};
+    layer(x, cos, sin, norms[2 * l].data_ptr<bf16>(), norms[2 * l + 1].data_ptr<bf16>(), w, k_caches[l],
+          v_caches[l], slot_mapping, block_tables, context_lens, s);
+  }
+  return x;
+}
+
+torch::Tensor fused_dense_layers(torch::Tensor x, torch::Tensor cos, torch::Tensor sin,
+                                 std::vector<torch::Tensor> norms, std::vector<torch::Tensor> weights,
+                                 std::vector<torch::Tensor> k_caches, std::vector<torch::Tensor> v_caches,
+                                 torch::Tensor slot_mapping, torch::Tensor block_tables,
+                                 torch::Tensor context_lens, int64_t num_heads, int64_t num_kv_heads,
+                                 int64_t head_dim, double eps, double scale) {
+  check_inputs(x, norms, 4, weights.size(), k_caches, v_caches, slot_mapping);
+  for (const auto& w : weights) {
+    TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kBFloat16 && w.device().is_cpu(),
+                "dense weights must be bfloat16 [out, in] CPU tensors");
+  }
+  const Shape s = prepare(x, cos, sin, slot_mapping, k_caches, num_heads, num_kv_heads, head_dim, eps, scale);
+  x = x.clone();
+  for (size_t l = 0; l < k_caches.size(); ++l) {
+    Dense w[4];
+    for (size_t i = 0; i < 4; ++i) w[i] = Dense{&weights[4 * l + i]};
     layer(x, cos, sin, norms[2 * l].data_ptr<bf16>(), norms[2 * l + 1].data_ptr<bf16>(), w, k_caches[l],
           v_caches[l], slot_mapping, block_tables, context_lens, s);
   }
@@ -199,6 +258,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("fused_decode_layers", &fused_decode_layers, "Every decoder layer of a few-row int4 decode step",
         py::call_guard<py::gil_scoped_release>());
+  m.def("fused_dense_layers", &fused_dense_layers,
+        "Every decoder layer of a decode step on dense bfloat16 weights", py::call_guard<py::gil_scoped_release>());
   m.def("q4_linear", &q4_linear, "A few rows times a 4-bit weight, the rows quantized to int8 per group",
         py::call_guard<py::gil_scoped_release>());
   m.def("built_with_avx512", &built_with_avx512, "Whether the AVX-512 path was compiled in");

@@ -8,9 +8,21 @@ import torch
 
 from engine import SamplingParams
 from engine.testing import make_tiny_model_dir
-from kernels import DecodeLayerWeights, fused_decode_layers
+from kernels import DecodeLayerWeights, fused_decode_layers, fused_dense_layers
 
 PROMPTS = ["a b c d e f g h i j k l", "one two three four five six seven", "the sea, the sea"]
+
+
+def _count_rows(monkeypatch, name: str, real) -> list[int]:
+    """The rows of every call the model makes to ``name`` from now on."""
+    calls: list[int] = []
+
+    def counting(x, *args, **kw):
+        calls.append(x.shape[0])
+        return real(x, *args, **kw)
+
+    monkeypatch.setattr(f"engine.models.llama.{name}", counting)
+    return calls
 
 
 def _engine(factory, fused: bool):
@@ -21,14 +33,7 @@ def test_fused_steps_give_the_tokens_and_logprobs_of_the_op_by_op_layers(tiny_en
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
     plain = _engine(tiny_engine_factory, False).generate(PROMPTS, params)
     fused_engine = _engine(tiny_engine_factory, True)
-    calls: list[int] = []
-    real = fused_decode_layers
-
-    def counting(x, *args, **kw):
-        calls.append(x.shape[0])
-        return real(x, *args, **kw)
-
-    monkeypatch.setattr("engine.models.llama.fused_decode_layers", counting)
+    calls = _count_rows(monkeypatch, "fused_decode_layers", fused_decode_layers)
     fused = fused_engine.generate(PROMPTS, params)
     assert calls and set(calls) <= {1, 2, 3}  # decode steps of 1-3 rows ran fused; prefills did not
     for a, b in zip(plain, fused, strict=True):
@@ -37,6 +42,30 @@ def test_fused_steps_give_the_tokens_and_logprobs_of_the_op_by_op_layers(tiny_en
         # op-by-op path multiplies bfloat16 rows): logprobs move by a few hundredths
         gap = max(abs(x.logprob - y.logprob) for x, y in zip(a.logprobs, b.logprobs, strict=True))
         assert gap < 0.1, gap
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["float32", "bfloat16"])
+def test_fused_dense_steps_give_the_tokens_of_the_op_by_op_layers(tiny_engine_factory, monkeypatch,
+                                                                   kv_cache_dtype):
+    """Decode steps of more rows than the 4-bit copies take (here 24) run fused on the dense weights."""
+    prompts = [f"{p} {i}" for i in range(8) for p in PROMPTS]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+
+    def engine(fused: bool):
+        return tiny_engine_factory(dtype="bfloat16", int4_decode="on", fused_decode=fused, num_kv_blocks=256,
+                                   kv_cache_dtype=kv_cache_dtype, determinism_modes=("fast",))
+
+    plain = engine(False).generate(prompts, params)
+    fused_engine = engine(True)
+    assert fused_engine.loaded.model.fused_dense
+    calls = _count_rows(monkeypatch, "fused_dense_layers", fused_dense_layers)
+    fused = fused_engine.generate(prompts, params)
+    assert 24 in calls and min(calls) > 8  # the 24-row decode steps ran fused; few-row ones on 4 bits
+    for a, b in zip(plain, fused, strict=True):
+        assert a.token_ids == b.token_ids
+        # the same matmuls and bfloat16 roundings; only RMSNorm's float32 sums add up in another order
+        gap = max(abs(x.logprob - y.logprob) for x, y in zip(a.logprobs, b.logprobs, strict=True))
+        assert gap < 0.02, gap
 
 
 def test_a_model_with_biases_decodes_layer_by_layer(tmp_path):
