@@ -22,6 +22,7 @@ from kernels import (
            store_kv,
 )
 from kernels.int4 import Int4Weight, int4_linear, is_exact, pack_int4
+from kernels.paged_attention import zero_block
 
 _PROJECTIONS = ("qkv", "o", "gate_up", "down")
 
@@ -131,7 +132,12 @@ class LlamaForCausalLM(nn.Module):
         sin = self.sin_cache[positions].to(x.dtype).unsqueeze(1)
         use_int4 = meta.linear_plan is None and x.shape[0] <= self.int4_max_rows
         if (self.fused_decode if use_int4 else self.fused_dense) and self._can_fuse(x, meta, kv_caches):
-            return self._fused_forward(x, cos, sin, meta, kv_caches, use_int4)
+            x = self._fused_forward(x, cos, sin, meta, kv_caches, use_int4)
+            if meta.scratch_block is not None:  # padding rows wrote it in every layer: zero it again
+                for k_cache, v_cache in kv_caches:
+                    zero_block(k_cache, meta.scratch_block)
+                    zero_block(v_cache, meta.scratch_block)
+            return x
         for layer, kv in zip(self.layers, kv_caches, strict=True):
             x = layer(x, cos, sin, meta, kv, use_int4)
         return x

@@ -44,11 +44,12 @@ def test_buckets_end_at_the_row_limit():
     assert buckets(5) == (1, 2, 4, 5)
 
 
-def test_padded_decode_steps_give_the_tokens_of_the_usual_path(tiny_engine_factory):
-    ref = tiny_engine_factory(determinism_modes=("fast",), num_kv_blocks=64)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])  # bfloat16: the fused C++ decode step
+def test_padded_decode_steps_give_the_tokens_of_the_usual_path(tiny_engine_factory, dtype):
+    ref = tiny_engine_factory(determinism_modes=("fast",), num_kv_blocks=64, dtype=dtype)
     _need_fused_kernel()
     expected = ref.generate(_PROMPTS, _greedy())
-    llm = tiny_engine_factory(determinism_modes=("fast",), num_kv_blocks=64)
+    llm = tiny_engine_factory(determinism_modes=("fast",), num_kv_blocks=64, dtype=dtype)
     captured: list[int] = []
     _with_decoder(llm, captured)
     got = llm.generate(_PROMPTS, _greedy())
