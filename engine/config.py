@@ -25,11 +25,13 @@ class EngineConfig:
             elsewhere), ``float32`` (exact against transformers), ``bfloat16`` or ``float16``.
         device: ``cpu`` or ``cuda``.
         int4_decode: 4-bit copies of the layers' weights for steps of at most ``int4_max_rows`` tokens,
-            which are bound by reading the weights: ``auto`` (on for a bfloat16 model on the CPU whose
-            weights were 4-bit to begin with, as a Q4 GGUF's are: the copies then differ from the
-            dense weights only by bfloat16's rounding of each group's scale), ``on`` (any checkpoint;
-            lossy) or ``off``.
-        int4_max_rows: The most tokens in a step that uses the 4-bit copies.
+            which are bound by reading the weights: ``auto`` (on for a model on the CPU whose weights
+            were 4-bit to begin with, as a Q4 GGUF's are, in bfloat16 or in the float32 that ``dtype=
+            "auto"`` picks on CPUs without bfloat16 instructions: the copies then differ from the dense
+            weights only by rounding each group's scale, and the rows are quantized to int8 per group of 32
+            as llama.cpp's Q4 products do), ``on`` (any checkpoint; lossy) or ``off``. An explicit
+            ``dtype="float32"`` keeps transformers' arithmetic under ``auto``.
+        int4_max_rows: The most tokens in a step that uses the 4-bit copies (at most 16).
         fixed_mmap_threshold: In the engine's own process (``kvgate serve``'s child), fix glibc's mmap
             threshold (``engine.allocator``) so that large freed blocks go back to the system at once, but
             every step maps and faults in its large buffers anew, which cost about 20% of tokens/s on the
@@ -38,11 +40,11 @@ class EngineConfig:
             (glibc's ``malloc_trim``; ``engine.allocator.HeapTrimmer``) when the engine goes idle and
             every this many seconds while it works, so RSS stays flat under ever-changing bfloat16
             matmul shapes; 0 turns it off.
-        fused_decode: Run every layer of a decode-only step of a bfloat16 model on the CPU in one C++ call
-            (plain loops for the norms, RoPE, activation and residuals between the matmuls, on the 4-bit
-            copies for steps of at most ``int4_max_rows`` rows and on the dense weights above, and the
-            fused attention kernel) instead of ~35 torch ops and as many trips through Python a layer;
-            off runs the same arithmetic op by op.
+        fused_decode: Run every layer of a decode-only step of a bfloat16 or float32 model on the CPU in
+            one C++ call (plain loops for the norms, RoPE, activation and residuals between the matmuls,
+            on the 4-bit copies for steps of at most ``int4_max_rows`` rows and on the dense weights
+            above, and the fused attention kernel) instead of ~35 torch ops and as many trips through
+            Python a layer; off runs the same arithmetic op by op.
         kv_cache_dtype: ``auto`` (float32 on the CPU, where small-M bfloat16 batched matmuls are ~10x
             slower than float32 ones and decode attention is all small-M; the model dtype on GPUs), an
             explicit dtype, or ``int8`` / ``fp8`` (e4m3; CUDA GPUs of compute capability 8.9 and up):
@@ -126,8 +128,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be 'auto' or one of {_DTYPES}, got {self.dtype!r}")
         if self.int4_decode not in _SWITCHES:
             raise ValueError(f"int4_decode must be one of {_SWITCHES}, got {self.int4_decode!r}")
-        if self.int4_max_rows < 0:
-            raise ValueError("int4_max_rows must be >= 0")
+        if not 0 <= self.int4_max_rows <= 16:  # q4_linear's products take at most 16 rows
+            raise ValueError(f"int4_max_rows must be between 0 and 16, got {self.int4_max_rows}")
         if self.heap_trim_interval_s < 0:
             raise ValueError("heap_trim_interval_s must be >= 0")
         if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in _DTYPES + _KV_QUANT:

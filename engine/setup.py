@@ -115,9 +115,17 @@ def _maybe_pack_int4(config: EngineConfig, model: LlamaForCausalLM, dtype: torch
     """Give the layers 4-bit copies for few-row steps where ``int4_decode`` asks for them and they run."""
     if config.int4_decode == "off" or config.int4_max_rows == 0:
         return
-    if dtype != torch.bfloat16 or not int4_available(device):
+    # bfloat16 rows go through torch's int4 matmul, float32 rows through q4_linear (the decode kernel's);
+    # under ``auto``, a float32 model uses them only where ``dtype="auto"`` chose float32 (a CPU without
+    # bfloat16 matrix instructions): an explicit float32 asks for transformers' exact arithmetic
+    wanted_f32 = config.dtype == "auto" or config.int4_decode == "on"
+    on_cpu = device.type == "cpu"
+    runs = (dtype == torch.bfloat16 and int4_available(device)) or (
+        dtype == torch.float32 and on_cpu and wanted_f32 and prepare_decode_kernel(config.cache_dir))
+    if not runs:
         if config.int4_decode == "on":
-            raise ValueError("int4_decode='on' needs a bfloat16 model on the CPU (torch's int4 matmul)")
+            raise ValueError("int4_decode='on' needs a bfloat16 or float32 model on the CPU (and, in "
+                             "float32, the C++ decode kernel)")
         return
     exact_only = config.int4_decode == "auto"
     with torch.inference_mode():
@@ -141,8 +149,8 @@ def build_model(config: EngineConfig, mc: ModelConfig, state: dict, max_model_le
     model = model.to(device=device, dtype=dtype).eval()
     model.place_head()
     # the fused step has no bias terms: models with any (Qwen2's qkv) decode layer by layer
-    model.fused_dense = (config.fused_decode and device.type == "cpu" and dtype == torch.bfloat16
-                         and not (mc.qkv_bias or mc.o_bias))
+    model.fused_dense = (config.fused_decode and device.type == "cpu"
+                         and dtype in (torch.bfloat16, torch.float32) and not (mc.qkv_bias or mc.o_bias))
     return model
 
 

@@ -21,6 +21,7 @@ from kernels import (
            paged_attention,
            store_kv,
 )
+from kernels.cpu_ext import q4_linear
 from kernels.int4 import Int4Weight, int4_linear, is_exact, pack_int4
 from kernels.paged_attention import zero_block
 
@@ -72,7 +73,11 @@ class DecoderLayer(nn.Module):
     def _proj(self, name: str, x: torch.Tensor, plan: TilePlan | TritonPlan | None,
               use_int4: bool) -> torch.Tensor:
         if use_int4:
-            return int4_linear(x, self.int4[name])
+            w4 = self.int4[name]
+            if x.dtype == torch.bfloat16:
+                return int4_linear(x, w4)
+            out = q4_linear(x, w4.nibbles, w4.scales, w4.mins)  # float32 rows (torch's int4 matmul is bf16)
+            return out if w4.bias is None else out + w4.bias
         return _linear(x, getattr(self, name), plan)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
@@ -146,7 +151,7 @@ class LlamaForCausalLM(nn.Module):
                   kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
         """A decode-only step of the fast path on the CPU, which the fused C++ layers run whole."""
         return (not meta.prefills and meta.invariant is None
-                and meta.num_decode_tokens == x.shape[0] and x.dtype == torch.bfloat16
+                and meta.num_decode_tokens == x.shape[0] and x.dtype in (torch.bfloat16, torch.float32)
                 and kv_caches[0][0].dtype in (torch.float32, torch.bfloat16) and decode_kernel_loaded())
 
     def _fused_forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
@@ -171,8 +176,8 @@ class LlamaForCausalLM(nn.Module):
 
     def pack_int4(self, max_rows: int, exact_only: bool) -> bool:
         """Keep a 4-bit copy of every layer's weights for steps of at most ``max_rows`` tokens (the model
-        must be bfloat16 on the CPU). With ``exact_only``, keep them only if every weight was 4-bit to
-        begin with (a Q4 GGUF's), so the copies change nothing but bfloat16's rounding of the scales.
+        must be bfloat16 or float32 on the CPU). With ``exact_only``, keep them only if every weight was
+        4-bit to begin with (a Q4 GGUF's), so the copies change nothing but the rounding of the scales.
         Returns whether the copies are in use."""
         packed = []
         for layer in self.layers:  # stops at the first weight that is not 4-bit, when only exact will do

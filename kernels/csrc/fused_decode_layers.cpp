@@ -1,4 +1,4 @@
-// Every decoder layer of a decode-only step in one call (the CPU's fast path for bfloat16 models).
+// Every decoder layer of a decode-only step in one call (the CPU's fast path for bfloat16 and float32 models).
 //
 // A decode step of a small model spends much of its time between its matmuls: each layer is ~35 torch
 // ops (norms, RoPE, casts, residual adds, the KV write) of 1-5 us of dispatch each, and as many trips
@@ -7,9 +7,10 @@
 // steps of a few rows, which are bound by reading the weights) or ATen's bfloat16 linear (dense weights,
 // for bigger steps, which are bound by arithmetic), all without returning to Python.
 //
-// Each elementwise op rounds to bfloat16 where torch's bfloat16 op would (RMSNorm's statistics in
-// float32 then the weight product, RoPE's two products and their sum, SiLU then the gate product,
-// residual adds), so results match the layer-by-layer path up to the order of RMSNorm's float32 sum.
+// The activations are the model's dtype T (bfloat16 or float32). Each elementwise op rounds to T where
+// torch's op would (RMSNorm's statistics in float32 then the weight product, RoPE's two products and their
+// sum, SiLU then the gate product, residual adds), so results match the layer-by-layer path up to the
+// order of RMSNorm's float32 sum (and, in float32, fused multiply-adds).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -24,8 +25,10 @@ namespace {
 
 using bf16 = c10::BFloat16;
 
-inline float f(bf16 v) { return static_cast<float>(v); }
-inline bf16 r(float v) { return static_cast<bf16>(v); }  // round to nearest even, as torch's casts do
+template <typename T>
+inline float f(T v) { return static_cast<float>(v); }
+template <typename T>
+inline T r(float v) { return static_cast<T>(v); }  // to bfloat16: round to nearest even, as torch's casts do
 
 struct Shape {
   int64_t rows, hidden, num_heads, num_kv_heads, head_dim;
@@ -44,33 +47,34 @@ void for_rows(int64_t rows, const Fn& fn) {
   at::parallel_for(0, rows, kRowGrain, fn);
 }
 
-// out = weight * bf16(x * rsqrt(mean(x^2) + eps)), per row; x, out: [rows, hidden].
-void rms_norm(const bf16* x, const bf16* weight, bf16* out, const Shape& s) {
+// out = weight * T(x * rsqrt(mean(x^2) + eps)), per row; x, out: [rows, hidden].
+template <typename T>
+void rms_norm(const T* x, const T* weight, T* out, const Shape& s) {
   for_rows(s.rows, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      const bf16* row = x + i * s.hidden;
+      const T* row = x + i * s.hidden;
       float sum = 0.f;
       for (int64_t j = 0; j < s.hidden; ++j) sum += f(row[j]) * f(row[j]);
       const float inv = 1.f / std::sqrt(sum / static_cast<float>(s.hidden) + static_cast<float>(s.eps));
-      for (int64_t j = 0; j < s.hidden; ++j) out[i * s.hidden + j] = r(f(weight[j]) * f(r(f(row[j]) * inv)));
+      for (int64_t j = 0; j < s.hidden; ++j) out[i * s.hidden + j] = r<T>(f(weight[j]) * f(r<T>(f(row[j]) * inv)));
     }
   });
 }
 
 // Rotate-half RoPE of `heads` heads starting at src (row stride src_stride) into dst ([rows, heads, Dh]).
-void rope(const bf16* src, int64_t src_stride, int64_t heads, const bf16* cos, const bf16* sin, bf16* dst,
-          const Shape& s) {
+template <typename T>
+void rope(const T* src, int64_t src_stride, int64_t heads, const T* cos, const T* sin, T* dst, const Shape& s) {
   const int64_t d = s.head_dim, half = d / 2;
   for_rows(s.rows, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      const bf16* c = cos + i * d;
-      const bf16* sn = sin + i * d;
+      const T* c = cos + i * d;
+      const T* sn = sin + i * d;
       for (int64_t h = 0; h < heads; ++h) {
-        const bf16* x = src + i * src_stride + h * d;
-        bf16* o = dst + (i * heads + h) * d;
+        const T* x = src + i * src_stride + h * d;
+        T* o = dst + (i * heads + h) * d;
         for (int64_t j = 0; j < d; ++j) {
           const float rotated = j < half ? -f(x[j + half]) : f(x[j - half]);
-          o[j] = r(f(r(f(x[j]) * f(c[j]))) + f(r(rotated * f(sn[j]))));
+          o[j] = r<T>(f(r<T>(f(x[j]) * f(c[j]))) + f(r<T>(rotated * f(sn[j]))));
         }
       }
     }
@@ -78,8 +82,8 @@ void rope(const bf16* src, int64_t src_stride, int64_t heads, const bf16* cos, c
 }
 
 // Write the step's roped K and its V into their cache slots (the cache may be float32 or bfloat16).
-template <typename KV>
-void store(const bf16* k, const bf16* v, int64_t v_stride, const int64_t* slots, KV* kc, KV* vc,
+template <typename T, typename KV>
+void store(const T* k, const T* v, int64_t v_stride, const int64_t* slots, KV* kc, KV* vc,
            const Shape& s) {
   const int64_t w = s.kv_width();
   for (int64_t i = 0; i < s.rows; ++i) {
@@ -92,21 +96,23 @@ void store(const bf16* k, const bf16* v, int64_t v_stride, const int64_t* slots,
   }
 }
 
-// x += y, rounding each sum to bfloat16; rows of `width` elements.
-void add_into(bf16* x, const bf16* y, int64_t rows, int64_t width) {
+// x += y, rounding each sum to T; rows of `width` elements.
+template <typename T>
+void add_into(T* x, const T* y, int64_t rows, int64_t width) {
   for_rows(rows, [&](int64_t begin, int64_t end) {
-    for (int64_t j = begin * width; j < end * width; ++j) x[j] = r(f(x[j]) + f(y[j]));
+    for (int64_t j = begin * width; j < end * width; ++j) x[j] = r<T>(f(x[j]) + f(y[j]));
   });
 }
 
-// act = bf16(silu(gate)) * up, per row of gate_up [rows, 2 * inter] (gate first).
-void silu_mul(const bf16* gate_up, bf16* act, int64_t rows, int64_t inter) {
+// act = T(silu(gate)) * up, per row of gate_up [rows, 2 * inter] (gate first).
+template <typename T>
+void silu_mul(const T* gate_up, T* act, int64_t rows, int64_t inter) {
   for_rows(rows, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      const bf16* g = gate_up + i * 2 * inter;
+      const T* g = gate_up + i * 2 * inter;
       for (int64_t j = 0; j < inter; ++j) {
         const float gv = f(g[j]);
-        act[i * inter + j] = r(f(r(gv / (1.f + std::exp(-gv)))) * f(g[inter + j]));
+        act[i * inter + j] = r<T>(f(r<T>(gv / (1.f + std::exp(-gv)))) * f(g[inter + j]));
       }
     }
   });
@@ -118,8 +124,8 @@ struct Q4 {
   torch::Tensor operator()(const torch::Tensor& x) const { return q4_linear(x, *w, *scales, *mins); }
 };
 
-// One projection's dense bfloat16 weight [out, in] times the step's rows: ATen's linear, the very call
-// the layer-by-layer path makes (oneDNN's bfloat16 GEMM on the CPU).
+// One projection's dense weight [out, in] (the model's dtype) times the step's rows: ATen's linear, the very
+// call the layer-by-layer path makes (oneDNN's bfloat16 GEMM, or float32's BLAS, on the CPU).
 struct Dense {
   const torch::Tensor* w;
   torch::Tensor operator()(const torch::Tensor& x) const { return at::linear(x, *w); }
@@ -129,15 +135,16 @@ void check_inputs(const torch::Tensor& x, const std::vector<torch::Tensor>& norm
                   size_t num_weights, const std::vector<torch::Tensor>& k_caches,
                   const std::vector<torch::Tensor>& v_caches, const torch::Tensor& slots) {
   const size_t layers = k_caches.size();
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.is_contiguous(),
-              "x must be a contiguous [rows, hidden] bfloat16 tensor");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() &&
+                  (x.scalar_type() == torch::kBFloat16 || x.scalar_type() == torch::kFloat32),
+              "x must be a contiguous [rows, hidden] bfloat16 or float32 tensor");
   TORCH_CHECK(norms.size() == 2 * layers && num_weights == weights_per_layer * layers &&
                   v_caches.size() == layers,
               "two norms, four weights and one K/V cache pair per layer");
   TORCH_CHECK(slots.scalar_type() == torch::kInt64 && slots.numel() == x.size(0), "one int64 slot per row");
   for (const auto& n : norms) {
-    TORCH_CHECK(n.scalar_type() == torch::kBFloat16 && n.is_contiguous() && n.numel() == x.size(1),
-                "norm weights must be contiguous bfloat16 [hidden]");
+    TORCH_CHECK(n.scalar_type() == x.scalar_type() && n.is_contiguous() && n.numel() == x.size(1),
+                "norm weights must be contiguous [hidden] tensors of x's dtype");
   }
   for (size_t l = 0; l < layers; ++l) {
     TORCH_CHECK(k_caches[l].is_contiguous() && v_caches[l].is_contiguous() &&
@@ -145,56 +152,56 @@ void check_inputs(const torch::Tensor& x, const std::vector<torch::Tensor>& norm
   }
 }
 
-template <typename KV>
+template <typename T, typename KV>
 void store_for(const torch::Tensor& qkv, const torch::Tensor& k_roped, const int64_t* slots,
                const torch::Tensor& kc, const torch::Tensor& vc, const Shape& s) {
   const int64_t width = qkv.size(1);
-  const bf16* v = qkv.data_ptr<bf16>() + s.q_width() + s.kv_width();
-  store<KV>(k_roped.data_ptr<bf16>(), v, width, slots, kc.data_ptr<KV>(), vc.data_ptr<KV>(), s);
+  const T* v = qkv.data_ptr<T>() + s.q_width() + s.kv_width();
+  store<T, KV>(k_roped.data_ptr<T>(), v, width, slots, kc.data_ptr<KV>(), vc.data_ptr<KV>(), s);
 }
 
-// One layer, in place on x ([rows, hidden] bfloat16). w: qkv, o, gate_up and down.
-template <typename W>
-void layer(torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin, const bf16* in_norm,
-           const bf16* post_norm, const W* w, const torch::Tensor& kc,
+// One layer, in place on x ([rows, hidden] of T). w: qkv, o, gate_up and down.
+template <typename T, typename W>
+void layer(torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin, const T* in_norm,
+           const T* post_norm, const W* w, const torch::Tensor& kc,
            const torch::Tensor& vc, const torch::Tensor& slots, const torch::Tensor& tables,
            const torch::Tensor& ctx, const Shape& s) {
   auto h = torch::empty_like(x);
-  rms_norm(x.data_ptr<bf16>(), in_norm, h.data_ptr<bf16>(), s);
+  rms_norm(x.data_ptr<T>(), in_norm, h.data_ptr<T>(), s);
   const torch::Tensor qkv = w[0](h);  // [rows, q + 2 kv]
   TORCH_CHECK(qkv.size(1) == s.q_width() + 2 * s.kv_width(), "the qkv weight does not match the heads");
   const int64_t width = qkv.size(1);
   auto q = torch::empty({s.rows, s.num_heads, s.head_dim}, x.options());
   auto k = torch::empty({s.rows, s.num_kv_heads, s.head_dim}, x.options());
-  const bf16* c = cos.data_ptr<bf16>();
-  const bf16* sn = sin.data_ptr<bf16>();
-  rope(qkv.data_ptr<bf16>(), width, s.num_heads, c, sn, q.data_ptr<bf16>(), s);
-  rope(qkv.data_ptr<bf16>() + s.q_width(), width, s.num_kv_heads, c, sn, k.data_ptr<bf16>(), s);
+  const T* c = cos.data_ptr<T>();
+  const T* sn = sin.data_ptr<T>();
+  rope(qkv.data_ptr<T>(), width, s.num_heads, c, sn, q.data_ptr<T>(), s);
+  rope(qkv.data_ptr<T>() + s.q_width(), width, s.num_kv_heads, c, sn, k.data_ptr<T>(), s);
   if (kc.scalar_type() == torch::kFloat32) {
-    store_for<float>(qkv, k, slots.data_ptr<int64_t>(), kc, vc, s);
+    store_for<T, float>(qkv, k, slots.data_ptr<int64_t>(), kc, vc, s);
   } else {
     TORCH_CHECK(kc.scalar_type() == torch::kBFloat16, "KV cache must be float32 or bfloat16");
-    store_for<bf16>(qkv, k, slots.data_ptr<int64_t>(), kc, vc, s);
+    store_for<T, bf16>(qkv, k, slots.data_ptr<int64_t>(), kc, vc, s);
   }
   auto attn = paged_decode_attention(q, kc, vc, tables, ctx, s.scale).view({s.rows, s.q_width()});
   const torch::Tensor o = w[1](attn);
-  add_into(x.data_ptr<bf16>(), o.data_ptr<bf16>(), s.rows, s.hidden);
-  rms_norm(x.data_ptr<bf16>(), post_norm, h.data_ptr<bf16>(), s);
+  add_into(x.data_ptr<T>(), o.data_ptr<T>(), s.rows, s.hidden);
+  rms_norm(x.data_ptr<T>(), post_norm, h.data_ptr<T>(), s);
   const torch::Tensor gate_up = w[2](h);
   const int64_t inter = gate_up.size(1) / 2;
   auto act = torch::empty({s.rows, inter}, x.options());
-  silu_mul(gate_up.data_ptr<bf16>(), act.data_ptr<bf16>(), s.rows, inter);
+  silu_mul(gate_up.data_ptr<T>(), act.data_ptr<T>(), s.rows, inter);
   const torch::Tensor down = w[3](act);
-  add_into(x.data_ptr<bf16>(), down.data_ptr<bf16>(), s.rows, s.hidden);
+  add_into(x.data_ptr<T>(), down.data_ptr<T>(), s.rows, s.hidden);
 }
 
 // What both entry points check and prepare: cos/sin, slots in range, and the step's shape.
 Shape prepare(const torch::Tensor& x, torch::Tensor& cos, torch::Tensor& sin, torch::Tensor& slot_mapping,
               const std::vector<torch::Tensor>& k_caches, int64_t num_heads, int64_t num_kv_heads,
               int64_t head_dim, double eps, double scale) {
-  TORCH_CHECK(cos.scalar_type() == torch::kBFloat16 && sin.scalar_type() == torch::kBFloat16 &&
+  TORCH_CHECK(cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type() &&
                   cos.numel() == x.size(0) * head_dim && sin.numel() == cos.numel(),
-              "cos and sin must be bfloat16 [rows, head_dim]");
+              "cos and sin must be [rows, head_dim] of x's dtype");
   cos = cos.contiguous();
   sin = sin.contiguous();
   slot_mapping = slot_mapping.contiguous();
@@ -205,6 +212,20 @@ Shape prepare(const torch::Tensor& x, torch::Tensor& cos, torch::Tensor& sin, to
     TORCH_CHECK(slot >= 0 && slot < kv_slots, "slot ", slot, " of row ", i, " is out of range");
   }
   return s;
+}
+
+// One layer in x's dtype.
+template <typename W>
+void run_layer(torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& in_norm,
+               const torch::Tensor& post_norm, const W* w, const torch::Tensor& kc, const torch::Tensor& vc,
+               const torch::Tensor& slots, const torch::Tensor& tables, const torch::Tensor& ctx, const Shape& s) {
+  if (x.scalar_type() == torch::kFloat32) {
+    layer<float>(x, cos, sin, in_norm.data_ptr<float>(), post_norm.data_ptr<float>(), w, kc, vc, slots, tables,
+                 ctx, s);
+  } else {
+    layer<bf16>(x, cos, sin, in_norm.data_ptr<bf16>(), post_norm.data_ptr<bf16>(), w, kc, vc, slots, tables,
+                ctx, s);
+  }
 }
 
 }  // namespace
@@ -224,8 +245,8 @@ torch::Tensor fused_decode_layers(torch::Tensor x, torch::Tensor cos, torch::Ten
   for (size_t l = 0; l < k_caches.size(); ++l) {
     Q4 w[4];
     for (size_t i = 0; i < 4; ++i) w[i] = Q4{&nibbles[4 * l + i], &scales[4 * l + i], &mins[4 * l + i]};
-    layer(x, cos, sin, norms[2 * l].data_ptr<bf16>(), norms[2 * l + 1].data_ptr<bf16>(), w, k_caches[l],
-          v_caches[l], slot_mapping, block_tables, context_lens, s);
+    run_layer(x, cos, sin, norms[2 * l], norms[2 * l + 1], w, k_caches[l], v_caches[l], slot_mapping,
+              block_tables, context_lens, s);
   }
   return x;
 }
@@ -238,16 +259,16 @@ torch::Tensor fused_dense_layers(torch::Tensor x, torch::Tensor cos, torch::Tens
                                  int64_t head_dim, double eps, double scale) {
   check_inputs(x, norms, 4, weights.size(), k_caches, v_caches, slot_mapping);
   for (const auto& w : weights) {
-    TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kBFloat16 && w.device().is_cpu(),
-                "dense weights must be bfloat16 [out, in] CPU tensors");
+    TORCH_CHECK(w.dim() == 2 && w.scalar_type() == x.scalar_type() && w.device().is_cpu(),
+                "dense weights must be [out, in] CPU tensors of x's dtype");
   }
   const Shape s = prepare(x, cos, sin, slot_mapping, k_caches, num_heads, num_kv_heads, head_dim, eps, scale);
   x = x.clone();
   for (size_t l = 0; l < k_caches.size(); ++l) {
     Dense w[4];
     for (size_t i = 0; i < 4; ++i) w[i] = Dense{&weights[4 * l + i]};
-    layer(x, cos, sin, norms[2 * l].data_ptr<bf16>(), norms[2 * l + 1].data_ptr<bf16>(), w, k_caches[l],
-          v_caches[l], slot_mapping, block_tables, context_lens, s);
+    run_layer(x, cos, sin, norms[2 * l], norms[2 * l + 1], w, k_caches[l], v_caches[l], slot_mapping,
+              block_tables, context_lens, s);
   }
   return x;
 }
@@ -259,7 +280,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fused_decode_layers", &fused_decode_layers, "Every decoder layer of a few-row int4 decode step",
         py::call_guard<py::gil_scoped_release>());
   m.def("fused_dense_layers", &fused_dense_layers,
-        "Every decoder layer of a decode step on dense bfloat16 weights", py::call_guard<py::gil_scoped_release>());
+        "Every decoder layer of a decode step on dense weights", py::call_guard<py::gil_scoped_release>());
   m.def("q4_linear", &q4_linear, "A few rows times a 4-bit weight, the rows quantized to int8 per group",
         py::call_guard<py::gil_scoped_release>());
   m.def("built_with_avx512", &built_with_avx512, "Whether the AVX-512 path was compiled in");

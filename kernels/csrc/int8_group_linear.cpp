@@ -8,7 +8,7 @@
 
 #include <cstdint>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 
@@ -34,6 +34,22 @@ float row_dot(const int8_t* q, const float* s, const float* x, int64_t groups, i
       acc = _mm512_fmadd_ps(_mm512_set1_ps(s[g]), part, acc);
     }
     return _mm512_reduce_add_ps(acc);
+  }
+#elif defined(__AVX2__) && defined(__FMA__)
+  if (group % 8 == 0) {  // CPUs without AVX-512: 8 lanes
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
+      __m256 part = _mm256_setzero_ps();
+      for (int64_t k = g * group; k < (g + 1) * group; k += 8) {
+        const __m128i q8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + k));
+        part = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q8)), _mm256_loadu_ps(x + k), part);
+      }
+      acc = _mm256_fmadd_ps(_mm256_set1_ps(s[g]), part, acc);
+    }
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_add_ss(h, _mm_movehdup_ps(h));
+    return _mm_cvtss_f32(h);
   }
 #endif
   float acc = 0.f;

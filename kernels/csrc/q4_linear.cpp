@@ -4,7 +4,8 @@
 // A one-token decode step reads every weight once for one row: it is bound by how fast the weights
 // stream. torch's int4 matmul widens each 4-bit value to bfloat16 before its product (about 10 GB/s on
 // one Zen 4 core here); with int8 rows, 64 weights meet 64 activations in one AVX-512 VNNI instruction
-// (u8 x s8 -> int32) and only each group's sum is scaled in float32.
+// (u8 x s8 -> int32) and only each group's sum is scaled in float32. CPUs with AVX2 but no AVX-512 (most
+// x86 servers before Ice Lake and Zen 4) take the same scheme 32 weights at a time (block_dots_avx2).
 //
 // Layout of a weight row (kernels/int4.py packs it): groups go in pairs, each pair as 32 bytes whose 64
 // nibbles (the 32 low ones, then the 32 high ones) hold the pair's values interleaved 4 by 4, group 0's
@@ -26,6 +27,12 @@
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
 #include <immintrin.h>
 #define KVGATE_Q4_VNNI 1
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define KVGATE_Q4_AVX2 1
+#endif
+#if defined(KVGATE_Q4_VNNI) || defined(KVGATE_Q4_AVX2)
+#define KVGATE_Q4_SIMD 1
 #endif
 
 #include "decode.h"
@@ -120,6 +127,24 @@ void row_dots_scalar(const uint8_t* w, const c10::Half* d, const c10::Half* mins
   }
 }
 
+#ifdef KVGATE_Q4_SIMD
+// The unpaired last group of an odd number of groups, for a block's kBlock weight rows: plain loops added
+// into out (the minimums are counted with the pairs').
+void unpaired_group_dots(const uint8_t* w, const c10::Half* d, const QuantRows& a, int64_t rows, int64_t row_bytes,
+                         float* out) {
+  const int64_t groups = a.groups, g = groups - 1;
+  for (int64_t i = 0; i < kBlock; ++i) {
+    const uint8_t* wg = w + i * row_bytes + g * (kGroup / 2);
+    for (int64_t r = 0; r < rows; ++r) {
+      const int8_t* ag = a.q.data() + r * a.k + g * kGroup;
+      int32_t s = 0;
+      for (int64_t j = 0; j < kGroup / 2; ++j) s += (wg[j] & 0x0F) * ag[j] + (wg[j] >> 4) * ag[j + 16];
+      out[i * rows + r] += s * static_cast<float>(d[i * groups + g]) * a.scale[r * groups + g];
+    }
+  }
+}
+#endif
+
 #ifdef KVGATE_Q4_VNNI
 // out[i * rows + r] = row r . weight row i of a block of kBlock rows (w, d, mins: the block's first row).
 void block_dots_vnni(const uint8_t* w, const c10::Half* d, const c10::Half* mins, const QuantRows& a, int64_t rows,
@@ -162,22 +187,68 @@ void block_dots_vnni(const uint8_t* w, const c10::Half* d, const c10::Half* mins
       out[i * rows + r] = _mm512_reduce_add_ps(acc[i]);
     }
   }
-  if (groups % 2) {  // the unpaired last group: plain loops (mins already counted)
-    for (int64_t i = 0; i < kBlock; ++i) {
-      const int64_t g = groups - 1;
-      const uint8_t* wg = w + i * row_bytes + g * (kGroup / 2);
-      for (int64_t r = 0; r < rows; ++r) {
-        const int8_t* ag = a.q.data() + r * a.k + g * kGroup;
-        int32_t s = 0;
-        for (int64_t j = 0; j < kGroup / 2; ++j) s += (wg[j] & 0x0F) * ag[j] + (wg[j] >> 4) * ag[j + 16];
-        out[i * rows + r] += s * static_cast<float>(d[i * groups + g]) * a.scale[r * groups + g];
-      }
-    }
-  }
+  if (groups % 2) unpaired_group_dots(w, d, a, rows, row_bytes, out);
 }
 #endif
 
-#ifdef KVGATE_Q4_VNNI
+#ifdef KVGATE_Q4_AVX2
+// The same as block_dots_vnni with AVX2 (llama.cpp's Q4_1 x Q8_1 dot on such CPUs): maddubs multiplies the
+// 32 unsigned nibbles by their signed int8 activations and adds neighbours into 16 int16 lanes (at most
+// 2 * 15 * 128 each, and the low and high halves' sum fits too), madd with ones adds those pairwise into
+// 8 int32 lanes of 4 values each: even lanes group 0's sums, odd lanes group 1's, as with VNNI.
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+void block_dots_avx2(const uint8_t* w, const c10::Half* d, const c10::Half* mins, const QuantRows& a,
+                     int64_t rows, int64_t row_bytes, float* out) {
+  const int64_t groups = a.groups;
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t r = 0; r < rows; ++r) {
+    const int8_t* ar = a.q.data() + r * a.k;
+    const float* ps = a.pair_scales.data() + r * a.pairs * 16;
+    const float* ss = a.scaled_sum.data() + r * groups;
+    __m256 acc[kBlock];
+    for (int64_t i = 0; i < kBlock; ++i) acc[i] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < a.pairs; ++c) {
+      const __m256i alo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ar + c * 64));
+      const __m256i ahi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ar + c * 64 + 32));
+      const __m256 sa = _mm256_loadu_ps(ps + c * 16);  // (scale 0, scale 1) repeated
+      for (int64_t i = 0; i < kBlock; ++i) {
+        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + i * row_bytes + c * 32));
+        const __m256i lo = _mm256_and_si256(raw, nibble);
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
+        const __m256i pairs16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, alo), _mm256_maddubs_epi16(hi, ahi));
+        const __m256i dp = _mm256_madd_epi16(pairs16, ones);
+        int32_t two;  // the pair's two float16 scales
+        std::memcpy(&two, d + i * groups + 2 * c, sizeof(two));
+        const __m128 d2 = _mm_cvtph_ps(_mm_cvtsi32_si128(two));
+        const __m128 d4 = _mm_movelh_ps(d2, d2);
+        const __m256 dd = _mm256_insertf128_ps(_mm256_castps128_ps256(d4), d4, 1);
+        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dp), _mm256_mul_ps(dd, sa), acc[i]);
+      }
+    }
+    for (int64_t i = 0; i < kBlock; ++i) {  // the minimums' share: sum over groups of min * scale * sum(q)
+      const c10::Half* m = mins + i * groups;
+      int64_t g = 0;
+      for (; g + 8 <= groups; g += 8) {
+        const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m + g)));
+        acc[i] = _mm256_fmadd_ps(mv, _mm256_loadu_ps(ss + g), acc[i]);
+      }
+      float t = hsum(acc[i]);
+      for (; g < groups; ++g) t += static_cast<float>(m[g]) * ss[g];
+      out[i * rows + r] = t;
+    }
+  }
+  if (groups % 2) unpaired_group_dots(w, d, a, rows, row_bytes, out);
+}
+#endif
+
+#ifdef KVGATE_Q4_SIMD
 constexpr int64_t kPrefetchBlocks = 4;
 
 void prefetch(const void* p, int64_t bytes) {
@@ -199,7 +270,7 @@ void run(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& d,
     float dots[kBlock * kMaxRows];
     for (int64_t b = begin; b < end; ++b) {
       const int64_t i0 = b * kBlock, count = std::min(kBlock, n - i0);
-#ifdef KVGATE_Q4_VNNI
+#ifdef KVGATE_Q4_SIMD
       if (b + kPrefetchBlocks < end) {  // the weights stream from memory once: ask for them ahead
         const int64_t ahead = (b + kPrefetchBlocks) * kBlock;
         prefetch(wp + ahead * row_bytes, kBlock * row_bytes);
@@ -207,7 +278,11 @@ void run(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& d,
         prefetch(mp + ahead * groups, kBlock * groups * sizeof(c10::Half));
       }
       if (count == kBlock) {
+#ifdef KVGATE_Q4_VNNI
         block_dots_vnni(wp + i0 * row_bytes, dp + i0 * groups, mp + i0 * groups, a, rows, row_bytes, dots);
+#else
+        block_dots_avx2(wp + i0 * row_bytes, dp + i0 * groups, mp + i0 * groups, a, rows, row_bytes, dots);
+#endif
       } else
 #endif
       {

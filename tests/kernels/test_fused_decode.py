@@ -25,14 +25,16 @@ def _count_rows(monkeypatch, name: str, real) -> list[int]:
     return calls
 
 
-def _engine(factory, fused: bool):
-    return factory(dtype="bfloat16", int4_decode="on", fused_decode=fused, determinism_modes=("fast",))
+def _engine(factory, fused: bool, dtype: str):
+    return factory(dtype=dtype, int4_decode="on", fused_decode=fused, determinism_modes=("fast",))
 
 
-def test_fused_steps_give_the_tokens_and_logprobs_of_the_op_by_op_layers(tiny_engine_factory, monkeypatch):
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_fused_steps_give_the_tokens_and_logprobs_of_the_op_by_op_layers(tiny_engine_factory, monkeypatch,
+                                                                          dtype):
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
-    plain = _engine(tiny_engine_factory, False).generate(PROMPTS, params)
-    fused_engine = _engine(tiny_engine_factory, True)
+    plain = _engine(tiny_engine_factory, False, dtype).generate(PROMPTS, params)
+    fused_engine = _engine(tiny_engine_factory, True, dtype)
     calls = _count_rows(monkeypatch, "fused_decode_layers", fused_decode_layers)
     fused = fused_engine.generate(PROMPTS, params)
     assert calls and set(calls) <= {1, 2, 3}  # decode steps of 1-3 rows ran fused; prefills did not
@@ -44,15 +46,16 @@ def test_fused_steps_give_the_tokens_and_logprobs_of_the_op_by_op_layers(tiny_en
         assert gap < 0.1, gap
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["float32", "bfloat16"])
-def test_fused_dense_steps_give_the_tokens_of_the_op_by_op_layers(tiny_engine_factory, monkeypatch,
+@pytest.mark.parametrize(("dtype", "kv_cache_dtype"),
+                         [("bfloat16", "float32"), ("bfloat16", "bfloat16"), ("float32", "float32")])
+def test_fused_dense_steps_give_the_tokens_of_the_op_by_op_layers(tiny_engine_factory, monkeypatch, dtype,
                                                                    kv_cache_dtype):
     """Decode steps of more rows than the 4-bit copies take (here 24) run fused on the dense weights."""
     prompts = [f"{p} {i}" for i in range(8) for p in PROMPTS]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
 
     def engine(fused: bool):
-        return tiny_engine_factory(dtype="bfloat16", int4_decode="on", fused_decode=fused, num_kv_blocks=256,
+        return tiny_engine_factory(dtype=dtype, int4_decode="on", fused_decode=fused, num_kv_blocks=256,
                                    kv_cache_dtype=kv_cache_dtype, determinism_modes=("fast",))
 
     plain = engine(False).generate(prompts, params)
@@ -80,7 +83,7 @@ def test_a_model_with_biases_decodes_layer_by_layer(tmp_path):
 
 
 def test_a_slot_outside_the_pool_is_an_error_not_a_stray_write(tiny_engine_factory):
-    model = _engine(tiny_engine_factory, True).loaded.model
+    model = _engine(tiny_engine_factory, True, "bfloat16").loaded.model
     layer = model.layers[0]
     weights = DecodeLayerWeights([layer.input_norm.detach(), layer.post_norm.detach()],
                                  *([getattr(layer.int4[p], part) for p in ("qkv", "o", "gate_up", "down")]

@@ -53,9 +53,9 @@ def test_k_must_be_a_multiple_of_the_group():
         pack_int4(torch.randn(8, 48))
 
 
-def test_on_needs_a_bfloat16_model(tiny_engine_factory):
-    with pytest.raises(ValueError, match="bfloat16"):
-        tiny_engine_factory(dtype="float32", int4_decode="on", determinism_modes=("fast",))
+def test_on_needs_a_bfloat16_or_float32_model(tiny_engine_factory):
+    with pytest.raises(ValueError, match="bfloat16 or float32"):
+        tiny_engine_factory(dtype="float16", int4_decode="on", determinism_modes=("fast",))
 
 
 def test_auto_leaves_a_dense_checkpoint_dense(tiny_engine_factory):
@@ -89,6 +89,21 @@ def test_the_default_model_is_four_bit_and_uses_the_copies_where_bfloat16_runs(d
     assert engine.loaded.model.int4_max_rows == 8
     out = engine.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=4))[0]
     assert "Paris" in out.text
+
+
+def test_the_float32_that_auto_picks_uses_the_copies_and_an_explicit_float32_does_not(default_model_dir,
+                                                                                    monkeypatch):
+    """A CPU without bfloat16 instructions (AVX2 servers) decodes few rows on the 4-bit copies in float32;
+    ``dtype="float32"`` asked for by name keeps transformers' arithmetic."""
+    monkeypatch.setattr("engine.setup.has_fast_bf16_matmul", lambda: False)
+    engine = LLMEngine(EngineConfig(num_kv_blocks=64, determinism_modes=("fast",)))
+    model = engine.loaded.model
+    assert engine.loaded.dtype == torch.float32 and model.int4_max_rows == 8 and model.fused_decode
+    assert model.head_int8 is not None
+    out = engine.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=4))[0]
+    assert "Paris" in out.text
+    exact = LLMEngine(EngineConfig(dtype="float32", num_kv_blocks=64, determinism_modes=("fast",)))
+    assert exact.loaded.model.int4_max_rows == 0
 
 
 def test_a_q8_0_head_packs_exactly_and_the_grouped_int8_kernel_matches_it():
