@@ -21,11 +21,14 @@
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define KVGATE_ATTN_AVX2 1
 #endif
 
 namespace {
 
-constexpr int64_t kTile = 16;  // keys per online-softmax step: one AVX-512 vector of scores
+constexpr int64_t kTile = 16;  // keys per online-softmax step: one AVX-512 vector (two AVX2 ones) of scores
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr float kSlack = 8.f;  // how far scores may exceed the running maximum before it is raised
 
@@ -204,6 +207,117 @@ void tile_avx512(const T* const* k_rows, const T* const* v_rows, int64_t n, cons
 
 #endif  // __AVX512F__
 
+// ---- AVX2 path (head_dim a multiple of 8): CPUs without AVX-512; the same steps 8 lanes at a time ----
+#if defined(KVGATE_ATTN_AVX2)
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+
+inline __m256 load8(const c10::BFloat16* p) {  // bfloat16 is the high half of a float32
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+
+// e^x for x <= 0, as exp16: Cephes' range reduction and polynomial; x is clamped at -87 so that 2^n stays
+// a normal float built in the exponent bits (e^-87 ~ 1.6e-38, which the sums do not see).
+inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
+}
+
+// The 8 horizontal sums of d[0..8) as one vector (lane t = sum of d[t]).
+inline __m256 hsum8(const __m256* d) {
+  const __m256 s01 = _mm256_hadd_ps(d[0], d[1]), s23 = _mm256_hadd_ps(d[2], d[3]);
+  const __m256 s45 = _mm256_hadd_ps(d[4], d[5]), s67 = _mm256_hadd_ps(d[6], d[7]);
+  const __m256 lo = _mm256_hadd_ps(s01, s23), hi = _mm256_hadd_ps(s45, s67);  // per 128-bit half
+  return _mm256_add_ps(_mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31));
+}
+
+inline float hmax8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+template <typename T>
+void tile_avx2(const T* const* k_rows, const T* const* v_rows, int64_t n, const Geometry& g, float scale,
+               Scratch& w) {
+  const int64_t d = g.head_dim;
+  const __m256 count = _mm256_set1_ps(static_cast<float>(n));
+  const __m256 valid[2] = {_mm256_cmp_ps(_mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), count, _CMP_LT_OQ),
+                           _mm256_cmp_ps(_mm256_setr_ps(8, 9, 10, 11, 12, 13, 14, 15), count, _CMP_LT_OQ)};
+  const __m256 neg_inf = _mm256_set1_ps(kNegInf);
+  for (int64_t qi = 0; qi < g.group; ++qi) {
+    const float* q = w.q.data() + qi * d;
+    float* s = w.s.data() + qi * kTile;
+    __m256 dots[kTile];
+    for (int64_t t = 0; t < kTile; ++t) dots[t] = _mm256_setzero_ps();
+    int64_t t = 0;
+    for (; t + 4 <= n; t += 4) {  // four keys at a time: four FMA chains share each query load
+      __m256 d0 = dots[t], d1 = dots[t + 1], d2 = dots[t + 2], d3 = dots[t + 3];
+      for (int64_t x = 0; x < d; x += 8) {
+        const __m256 qv = _mm256_loadu_ps(q + x);
+        d0 = _mm256_fmadd_ps(qv, load8(k_rows[t] + x), d0);
+        d1 = _mm256_fmadd_ps(qv, load8(k_rows[t + 1] + x), d1);
+        d2 = _mm256_fmadd_ps(qv, load8(k_rows[t + 2] + x), d2);
+        d3 = _mm256_fmadd_ps(qv, load8(k_rows[t + 3] + x), d3);
+      }
+      dots[t] = d0, dots[t + 1] = d1, dots[t + 2] = d2, dots[t + 3] = d3;
+    }
+    for (; t < n; ++t) {
+      for (int64_t x = 0; x < d; x += 8) {
+        dots[t] = _mm256_fmadd_ps(_mm256_loadu_ps(q + x), load8(k_rows[t] + x), dots[t]);
+      }
+    }
+    const __m256 sc = _mm256_set1_ps(scale);
+    __m256 sv[2];
+    for (int h = 0; h < 2; ++h) sv[h] = _mm256_blendv_ps(neg_inf, _mm256_mul_ps(hsum8(dots + 8 * h), sc), valid[h]);
+    float* acc = w.acc.data() + qi * d;
+    float* lv = w.lv.data() + qi * kTile;
+    // the running maximum need only be within kSlack of the true one (see tile_avx512)
+    const __m256 limit = _mm256_set1_ps(w.m[qi] + kSlack);
+    if (_mm256_movemask_ps(_mm256_or_ps(_mm256_cmp_ps(sv[0], limit, _CMP_GT_OQ),
+                                        _mm256_cmp_ps(sv[1], limit, _CMP_GT_OQ)))) {
+      const float tile_max = hmax8(_mm256_max_ps(sv[0], sv[1]));
+      const __m256 a = _mm256_set1_ps(std::exp(w.m[qi] - tile_max));
+      for (int64_t x = 0; x < kTile; x += 8) _mm256_storeu_ps(lv + x, _mm256_mul_ps(a, _mm256_loadu_ps(lv + x)));
+      for (int64_t x = 0; x < d; x += 8) _mm256_storeu_ps(acc + x, _mm256_mul_ps(a, _mm256_loadu_ps(acc + x)));
+      w.m[qi] = tile_max;
+    }
+    const __m256 m = _mm256_set1_ps(w.m[qi]);
+    for (int h = 0; h < 2; ++h) {
+      const __m256 p = _mm256_and_ps(exp8(_mm256_sub_ps(sv[h], m)), valid[h]);
+      _mm256_storeu_ps(lv + 8 * h, _mm256_add_ps(_mm256_loadu_ps(lv + 8 * h), p));
+      _mm256_storeu_ps(s + 8 * h, p);
+    }
+    for (int64_t x = 0; x < d; x += 8) {  // four chains: the FMA latency no output vector waits on
+      __m256 a0 = _mm256_loadu_ps(acc + x), a1 = _mm256_setzero_ps(), a2 = a1, a3 = a1;
+      t = 0;
+      for (; t + 4 <= n; t += 4) {
+        a0 = _mm256_fmadd_ps(_mm256_set1_ps(s[t]), load8(v_rows[t] + x), a0);
+        a1 = _mm256_fmadd_ps(_mm256_set1_ps(s[t + 1]), load8(v_rows[t + 1] + x), a1);
+        a2 = _mm256_fmadd_ps(_mm256_set1_ps(s[t + 2]), load8(v_rows[t + 2] + x), a2);
+        a3 = _mm256_fmadd_ps(_mm256_set1_ps(s[t + 3]), load8(v_rows[t + 3] + x), a3);
+      }
+      for (; t < n; ++t) a0 = _mm256_fmadd_ps(_mm256_set1_ps(s[t]), load8(v_rows[t] + x), a0);
+      _mm256_storeu_ps(acc + x, _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+    }
+  }
+}
+
+#endif  // KVGATE_ATTN_AVX2
+
 // One row and one KV head: its G query heads attend to keys [0, ctx) in tiles of kTile keys.
 template <typename KV, typename Q>
 void attend(const Q* query, const KV* k, const KV* v, const int64_t* table, int64_t ctx, int64_t kv_head,
@@ -222,6 +336,11 @@ void attend(const Q* query, const KV* k, const KV* v, const int64_t* table, int6
 #if defined(__AVX512F__)
     if (d % 16 == 0) {
       tile_avx512(k_rows, v_rows, n, g, scale, w);
+      continue;
+    }
+#elif defined(KVGATE_ATTN_AVX2)
+    if (d % 8 == 0) {
+      tile_avx2(k_rows, v_rows, n, g, scale, w);
       continue;
     }
 #endif

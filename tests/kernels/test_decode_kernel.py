@@ -55,7 +55,8 @@ def test_query_and_cache_dtypes_may_differ(q_dtype, kv_dtype):
     _check(*_case(9, 3, 64, LENS, kv_dtype, q_dtype, seed=1))
 
 
-@pytest.mark.parametrize("head_dim", [16, 80])  # 80: not a multiple of 16, the portable loops
+# 24, 80: not multiples of 16 (the portable loops with AVX-512, the vector path with AVX2); 20: portable
+@pytest.mark.parametrize("head_dim", [16, 20, 24, 80])
 def test_other_head_sizes_and_block_sizes(head_dim):
     _check(*_case(6, 2, head_dim, LENS, torch.float32, bs=8, seed=2))
 
