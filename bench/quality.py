@@ -21,12 +21,14 @@ KV_CONFIGS = {"int8 KV": {"dtype": "float32", "kv_cache_dtype": "int8"},
               "fp8 KV": {"dtype": "float32", "kv_cache_dtype": "fp8"}}
 
 
-def _generate(overrides: dict, prompts: list[list[int]], new_tokens: int) -> tuple[str, list]:
+def _generate(overrides: dict, prompts: list[list[int]], new_tokens: int,
+              max_num_seqs: int | None = None) -> tuple[str, list]:
     from bench.engine_bench import kvgate_label
     from engine import EngineConfig, LLMEngine, SamplingParams
 
+    rows = {} if max_num_seqs is None else {"max_num_seqs": max_num_seqs}
     engine = LLMEngine(EngineConfig(kv_cache_memory=1 << 30, enable_prefix_caching=False,
-                                    determinism_modes=("fast",), **overrides))
+                                    determinism_modes=("fast",), **rows, **overrides))
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True, logprobs=5)
     label = kvgate_label(engine, overrides)
     if kv := overrides.get("kv_cache_dtype"):
@@ -52,19 +54,22 @@ def compare(ours: list, ref: list) -> dict:
 
 
 def run_quality(num_prompts: int, new_tokens: int, out: str, seed: int = 0,
-                kv_cache: bool = False) -> list[dict]:
-    """Every configuration's agreement with float32; with ``kv_cache``, the 8-bit KV caches' too."""
+                kv_cache: bool = False, max_num_seqs: int | None = None) -> list[dict]:
+    """Every configuration's agreement with float32; with ``kv_cache``, the 8-bit KV caches' too. With
+    ``max_num_seqs``, every engine decodes at most that many rows a step (8: the steps where the default
+    uses its 4-bit copies, as serving a few users at a time does)."""
     from engine.loader import load_tokenizer, resolve_model_dir
 
     reqs = standard_workload(load_tokenizer(resolve_model_dir(None)), num_prompts, seed, (64, 256))
     prompts = [r.prompt_ids for r in reqs]
     configs = {**CONFIGS, **(KV_CONFIGS if kv_cache else {})}
-    outputs = {name: _generate(cfg, prompts, new_tokens) for name, cfg in configs.items()}
+    outputs = {name: _generate(cfg, prompts, new_tokens, max_num_seqs) for name, cfg in configs.items()}
     ref = outputs["float32"][1]
     rows = [{"config": label, **compare(outs, ref)} for label, outs in outputs.values()]
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     Path(out).write_text(json.dumps({"prompts": num_prompts, "new_tokens": new_tokens, "seed": seed,
-                                     "reference": outputs["float32"][0], "rows": rows}, indent=2))
+                                     "max_num_seqs": max_num_seqs, "reference": outputs["float32"][0],
+                                     "rows": rows}, indent=2))
     return rows
 
 

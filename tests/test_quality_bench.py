@@ -22,3 +22,12 @@ def test_compare_counts_divergences_errors_and_near_ties():
     assert row["tokens_before_divergence"] == (1 / 4 + 1) / 2
     assert abs(row["logprob_error_max"] - 0.5) < 1e-9  # matched positions only: 0.05, 0, 0.5
     assert "1/2" in format_table([{"config": "x", **row}])
+
+
+def test_a_negative_row_limit_is_refused_before_any_engine_starts():
+    from typer.testing import CliRunner
+
+    from gateway.cli import app
+
+    result = CliRunner().invoke(app, ["bench", "quality", "--max-num-seqs", "-1"])
+    assert result.exit_code == 2 and "max-num-seqs" in result.output

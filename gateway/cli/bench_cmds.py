@@ -40,11 +40,15 @@ def bench_quality(
     out: str = typer.Option("bench-results/quality.json", help="Where to write the JSON results"),
     seed: int = typer.Option(0),
     kv_cache: bool = typer.Option(False, "--kv-cache", help="Also float32 with int8 and fp8 KV caches"),
+    max_num_seqs: int = typer.Option(0, help="Decode at most this many rows a step (8: where the default "
+                                              "uses its 4-bit copies); 0: the engine's default"),
 ) -> None:
     """The default configuration's and bfloat16's greedy outputs against float32's on the same prompts."""
     from bench.quality import format_table, run_quality
 
-    rows = run_quality(num_prompts, new_tokens, out, seed, kv_cache)
+    if max_num_seqs < 0:
+        raise typer.BadParameter("must be >= 0", param_hint="--max-num-seqs")
+    rows = run_quality(num_prompts, new_tokens, out, seed, kv_cache, max_num_seqs or None)
     typer.echo(format_table(rows))
     typer.echo(f"JSON: {out}")
 
