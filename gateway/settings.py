@@ -33,7 +33,8 @@ class Settings(BaseSettings):
         dtype: Engine compute dtype: ``auto`` (bfloat16 where the CPU has bfloat16 matrix instructions or
             on a GPU, else float32), ``float32``, ``bfloat16`` or ``float16``.
         int4_decode: 4-bit layer weights for few-row decode steps: ``auto`` (when the checkpoint's weights
-            are 4-bit already, as the default model's are), ``on`` or ``off``.
+            are 4-bit already, as the default model's are, in bfloat16 or in the float32 that ``auto``
+            picks; an explicit ``float32`` stays exact), ``on`` or ``off``.
         device: ``cpu`` or ``cuda``.
         kv_cache_dtype: The KV pool's dtype: ``auto`` (float32 on the CPU, the model's dtype on a GPU),
             ``float32``, ``bfloat16``, ``float16``, or 8-bit ``int8`` / ``fp8`` (e4m3, GPUs of compute
