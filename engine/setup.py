@@ -113,7 +113,9 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 def _maybe_pack_int4(config: EngineConfig, model: LlamaForCausalLM, dtype: torch.dtype,
                      device: torch.device) -> None:
     """Give the layers 4-bit copies for few-row steps where ``int4_decode`` asks for them and they run."""
-    if config.int4_decode == "off" or config.int4_max_rows == 0:
+    max_rows = config.int4_max_rows if config.int4_max_rows is not None else (
+        16 if dtype == torch.float32 else 8)
+    if config.int4_decode == "off" or max_rows == 0:
         return
     # bfloat16 rows go through torch's int4 matmul, float32 rows through q4_linear (the decode kernel's);
     # under ``auto``, a float32 model uses them only where ``dtype="auto"`` chose float32 (a CPU without
@@ -129,10 +131,10 @@ def _maybe_pack_int4(config: EngineConfig, model: LlamaForCausalLM, dtype: torch
         return
     exact_only = config.int4_decode == "auto"
     with torch.inference_mode():
-        used = model.pack_int4(config.int4_max_rows, exact_only)
+        used = model.pack_int4(max_rows, exact_only)
         head = used and prepare_int8_kernel(config.cache_dir) and model.pack_int8_head(exact_only)
     model.fused_decode = model.fused_decode and config.fused_decode
-    logger.info("4-bit layer weights for steps of <= %d tokens: %s; 8-bit LM head: %s", config.int4_max_rows,
+    logger.info("4-bit layer weights for steps of <= %d tokens: %s; 8-bit LM head: %s", max_rows,
                 "on" if used else "off (the checkpoint's weights are not 4-bit)", "on" if head else "off")
 
 

@@ -98,7 +98,7 @@ def test_the_float32_that_auto_picks_uses_the_copies_and_an_explicit_float32_doe
     monkeypatch.setattr("engine.setup.has_fast_bf16_matmul", lambda: False)
     engine = LLMEngine(EngineConfig(num_kv_blocks=64, determinism_modes=("fast",)))
     model = engine.loaded.model
-    assert engine.loaded.dtype == torch.float32 and model.int4_max_rows == 8 and model.fused_decode
+    assert engine.loaded.dtype == torch.float32 and model.int4_max_rows == 16 and model.fused_decode
     assert model.head_int8 is not None
     out = engine.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=4))[0]
     assert "Paris" in out.text
