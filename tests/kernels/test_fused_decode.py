@@ -63,7 +63,9 @@ def test_fused_dense_steps_give_the_tokens_of_the_op_by_op_layers(tiny_engine_fa
     assert fused_engine.loaded.model.fused_dense
     calls = _count_rows(monkeypatch, "fused_dense_layers", fused_dense_layers)
     fused = fused_engine.generate(prompts, params)
-    assert 24 in calls and min(calls) > 8  # the 24-row decode steps ran fused; few-row ones on 4 bits
+    # the 24-row decode steps ran fused; steps within the 4-bit copies' rows (8 in bfloat16, 16 in
+    # float32) took the 4-bit fused step instead
+    assert 24 in calls and min(calls) > fused_engine.loaded.model.int4_max_rows
     for a, b in zip(plain, fused, strict=True):
         assert a.token_ids == b.token_ids
         # the same matmuls and bfloat16 roundings; only RMSNorm's float32 sums add up in another order
