@@ -17,6 +17,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "decode.h"
@@ -104,13 +105,50 @@ void add_into(T* x, const T* y, int64_t rows, int64_t width) {
   });
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+inline __m512 load16(const bf16* p) {  // bfloat16 is the high half of a float32
+  return _mm512_castsi512_ps(_mm512_slli_epi32(
+      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+
+// float32 to bfloat16, rounding to nearest even as torch's casts do (NaN stays a quiet NaN)
+inline __m256i to_bf16(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7FC0));
+  return _mm512_cvtepi32_epi16(rounded);
+}
+
+inline __m512 round_bf16(__m512 v) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16(v)), 16));
+}
+
+// 16 lanes of silu_mul for bfloat16: silu(g) = g * sigmoid(g), sigmoid from e^-|g| (never overflows).
+inline void silu_mul16(const bf16* g, const bf16* up, bf16* out) {
+  const __m512 gv = load16(g), one = _mm512_set1_ps(1.f);
+  const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(gv)));
+  const __mmask16 pos = _mm512_cmp_ps_mask(gv, _mm512_setzero_ps(), _CMP_GE_OQ);
+  const __m512 sig = _mm512_div_ps(_mm512_mask_mov_ps(e, pos, one), _mm512_add_ps(one, e));
+  const __m512 act = _mm512_mul_ps(round_bf16(_mm512_mul_ps(gv, sig)), load16(up));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), to_bf16(act));
+}
+#endif
+
 // act = T(silu(gate)) * up, per row of gate_up [rows, 2 * inter] (gate first).
 template <typename T>
 void silu_mul(const T* gate_up, T* act, int64_t rows, int64_t inter) {
   for_rows(rows, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const T* g = gate_up + i * 2 * inter;
-      for (int64_t j = 0; j < inter; ++j) {
+      int64_t j = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+      if constexpr (std::is_same<T, bf16>::value) {
+        for (; j + 16 <= inter; j += 16) silu_mul16(g + j, g + inter + j, act + i * inter + j);
+      }
+#endif
+      for (; j < inter; ++j) {
         const float gv = f(g[j]);
         act[i * inter + j] = r<T>(f(r<T>(gv / (1.f + std::exp(-gv)))) * f(g[inter + j]));
       }

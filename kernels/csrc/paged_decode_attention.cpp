@@ -1,8 +1,10 @@
 // Fused paged decode attention for the CPU (the fast, non-batch-invariant path). One query token per row
 // attends to keys [0, context_len) of its sequence, read in place through the block table (no gather):
 // an online softmax makes one pass over the keys, the G query heads of a KV head share every K/V load,
-// and everything accumulates in float32 whether K/V are float32 or bfloat16. Work items are
-// (row, KV head) pairs, split over torch's intra-op threads.
+// and everything accumulates in float32 whether K/V are float32 or bfloat16. Work items are whole rows,
+// split over torch's intra-op threads, once there are at least two rows a thread (a row's keys then stream
+// from memory once for all its KV heads: a 16-key tile of a 16-slot block is one contiguous run), and
+// (row, KV head) pairs below that, so that a lone row still uses every core.
 //
 // Unlike paged_attention_rows.cpp this kernel promises no bitwise result: its last bits may change with
 // the instruction set it was built for. Entries of a block table past a row's context are never read.
@@ -17,6 +19,7 @@
 #include <cstdint>
 #include <limits>
 #include <numeric>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -36,24 +39,39 @@ struct Geometry {
   int64_t num_heads, num_kv_heads, group, head_dim, block_size, max_blocks;
 };
 
-// Per-thread scratch for one work item: the G query rows, their running max / sum (l, or lane-wise lv
-// in the vector path) / output, and one tile of scores (probabilities after the softmax step).
+// Per-thread scratch for one work item, for every query head of a row: the query (float32, in the order
+// the vector path reads K/V in; raw bfloat16 for the bfloat16 dot-product path), the running max / sum (l,
+// or lane-wise lv in the vector paths) / output, and one tile of scores per query head of a group
+// (probabilities after the softmax step).
 struct Scratch {
   std::vector<float> q, acc, m, l, lv, s;
+  std::vector<uint16_t> qb;
   explicit Scratch(const Geometry& g)
-      : q(g.group * g.head_dim), acc(g.group * g.head_dim), m(g.group), l(g.group), lv(g.group * kTile),
-        s(g.group * kTile) {}
+      : q(g.num_heads * g.head_dim), acc(g.num_heads * g.head_dim), m(g.num_heads), l(g.num_heads),
+        lv(g.num_heads * kTile), s(g.group * kTile), qb(g.num_heads * g.head_dim) {}
 };
 
-// The K and V rows of one KV head for keys [j0, j0 + n), walking the block table (one division per tile).
-// Slots are int64 all the way: a pool of more than 2^31 elements is reachable.
+// The part of the scratch one KV head's G query heads use.
+struct Heads {
+  float *q, *acc, *m, *l, *lv, *s;
+  const uint16_t* qb;
+  Heads(Scratch& w, int64_t kv_head, const Geometry& g)
+      : q(w.q.data() + kv_head * g.group * g.head_dim), acc(w.acc.data() + kv_head * g.group * g.head_dim),
+        m(w.m.data() + kv_head * g.group), l(w.l.data() + kv_head * g.group),
+        lv(w.lv.data() + kv_head * g.group * kTile), s(w.s.data()),
+        qb(w.qb.data() + kv_head * g.group * g.head_dim) {}
+};
+
+// The K and V rows (at KV head 0; head h is h * head_dim further) for keys [j0, j0 + n), walking the block
+// table (one division per tile); slots past n repeat key j0, so a vector loop may run the whole tile and
+// mask the scores. Slots are int64 all the way: a pool of more than 2^31 elements is reachable.
 template <typename T>
-inline void tile_rows(const T* k, const T* v, const int64_t* table, int64_t j0, int64_t n, int64_t kv_head,
-                      const Geometry& g, const T** k_rows, const T** v_rows) {
+inline void tile_rows(const T* k, const T* v, const int64_t* table, int64_t j0, int64_t n, const Geometry& g,
+                      const T** k_rows, const T** v_rows) {
   const int64_t token_stride = g.num_kv_heads * g.head_dim;
   int64_t b = j0 / g.block_size, off = j0 % g.block_size;
   for (int64_t t = 0; t < n; ++t) {
-    const int64_t pos = (table[b] * g.block_size + off) * token_stride + kv_head * g.head_dim;
+    const int64_t pos = (table[b] * g.block_size + off) * token_stride;
     k_rows[t] = k + pos;
     v_rows[t] = v + pos;
     if (++off == g.block_size) {
@@ -61,25 +79,48 @@ inline void tile_rows(const T* k, const T* v, const int64_t* table, int64_t j0, 
       ++b;
     }
   }
+  for (int64_t t = n; t < kTile; ++t) {
+    k_rows[t] = k_rows[0];
+    v_rows[t] = v_rows[0];
+  }
+}
+
+// Read the tile's K and V rows (every KV head) once, in address order, before the per-head passes: each
+// block is one contiguous run, which the hardware's stream prefetcher then fetches ahead of the loads, where
+// the per-head passes' strided reads leave each line to a demand miss of its own.
+template <typename T>
+inline void touch_tile(const T* const* k_rows, const T* const* v_rows, int64_t n, const Geometry& g) {
+  constexpr int64_t kLine = 64;
+  const int64_t bytes = g.num_kv_heads * g.head_dim * static_cast<int64_t>(sizeof(T));
+  int32_t sink = 0;
+  for (int64_t t = 0; t < n; ++t) {
+    const char* kp = reinterpret_cast<const char*>(k_rows[t]);
+    for (int64_t b = 0; b < bytes; b += kLine) sink |= *reinterpret_cast<const volatile int32_t*>(kp + b);
+  }
+  for (int64_t t = 0; t < n; ++t) {
+    const char* vp = reinterpret_cast<const char*>(v_rows[t]);
+    for (int64_t b = 0; b < bytes; b += kLine) sink |= *reinterpret_cast<const volatile int32_t*>(vp + b);
+  }
+  asm volatile("" : : "r"(sink));
 }
 
 // ---- portable path: plain loops the compiler may vectorise for whatever CPU it targets ----
 
 template <typename T>
-void tile_scalar(const T* const* k_rows, const T* const* v_rows, int64_t n, const Geometry& g, float scale,
-                 Scratch& w) {
+void tile_scalar(const T* const* k_rows, const T* const* v_rows, int64_t off, int64_t n, const Geometry& g, float scale,
+                 const Heads& w) {
   const int64_t d = g.head_dim;
   for (int64_t qi = 0; qi < g.group; ++qi) {
-    const float* q = w.q.data() + qi * d;
-    float* s = w.s.data() + qi * kTile;
+    const float* q = w.q + qi * d;
+    float* s = w.s + qi * kTile;
     float tile_max = kNegInf;
     for (int64_t t = 0; t < n; ++t) {
       float dot = 0.f;
-      for (int64_t x = 0; x < d; ++x) dot += q[x] * static_cast<float>(k_rows[t][x]);
+      for (int64_t x = 0; x < d; ++x) dot += q[x] * static_cast<float>((k_rows[t] + off)[x]);
       s[t] = dot * scale;
       tile_max = std::max(tile_max, s[t]);
     }
-    float* acc = w.acc.data() + qi * d;
+    float* acc = w.acc + qi * d;
     if (tile_max > w.m[qi]) {  // rescale what the earlier keys contributed to the new maximum
       const float alpha = std::exp(w.m[qi] - tile_max);
       w.l[qi] *= alpha;
@@ -89,7 +130,7 @@ void tile_scalar(const T* const* k_rows, const T* const* v_rows, int64_t n, cons
     for (int64_t t = 0; t < n; ++t) {
       const float p = std::exp(s[t] - w.m[qi]);
       w.l[qi] += p;
-      for (int64_t x = 0; x < d; ++x) acc[x] += p * static_cast<float>(v_rows[t][x]);
+      for (int64_t x = 0; x < d; ++x) acc[x] += p * static_cast<float>((v_rows[t] + off)[x]);
     }
   }
 }
@@ -102,24 +143,6 @@ inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const c10::BFloat16* p) {  // bfloat16 is the high half of a float32
   const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-}
-
-// e^x for x <= 0 (scores minus their running max): Cephes' expf range reduction and polynomial, about
-// 2 ulp; scalef gives the 2^n factor and underflows to 0 correctly.
-inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-104.f));  // e^-104 is 0 in float32; keeps -inf out of the maths
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  return _mm512_scalef_ps(p, n);
 }
 
 // The 16 horizontal sums of d[0..16) as one vector (lane t = sum of d[t]): a transposing add tree, about
@@ -144,39 +167,141 @@ inline __m512 hsum16(const __m512* d) {
   return _mm512_permutexvar_ps(order, r);
 }
 
-template <typename T>
-void tile_avx512(const T* const* k_rows, const T* const* v_rows, int64_t n, const Geometry& g, float scale,
-                 Scratch& w) {
+// 32 dims of a K or V row as two float32 vectors. bfloat16 ones come out as (even dims, odd dims): a shift
+// and a mask, where the natural order costs two widening shuffles. The float32 queries are stored in the
+// same order (slot_of), so dot products are unchanged, and the outputs are put back in order at the end.
+inline void load32(const float* p, __m512& a, __m512& b) {
+  a = _mm512_loadu_ps(p);
+  b = _mm512_loadu_ps(p + 16);
+}
+
+inline void load32(const c10::BFloat16* p, __m512& a, __m512& b) {
+  const __m512i raw = _mm512_loadu_si512(p);
+  a = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
+  b = _mm512_castsi512_ps(_mm512_and_si512(raw, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
+template <typename KV>
+constexpr bool kPermuted = std::is_same<KV, c10::BFloat16>::value;
+
+// Where dim x of a head sits in the vector path's order for a cache of KV (a 16-dim tail keeps its order).
+template <typename KV>
+inline int64_t slot_of(int64_t x, int64_t d) {
+  const int64_t c = x / 32 * 32, i = x % 32;
+  if (!kPermuted<KV> || c + 32 > d) return x;
+  return c + (i % 2) * 16 + i / 2;
+}
+
+// dots[t] = the 16 partial sums of query . key t, for all kTile keys (float32 queries in slot_of order).
+template <typename KV>
+inline void dots_f32(const float* q, const KV* const* k_rows, int64_t off, int64_t d, __m512* dots) {
+  for (int64_t t = 0; t < kTile; t += 4) {  // eight FMA chains: four keys, two halves of each 32 dims
+    __m512 a[4], b[4];
+    for (int u = 0; u < 4; ++u) a[u] = b[u] = _mm512_setzero_ps();
+    int64_t x = 0;
+    for (; x + 32 <= d; x += 32) {
+      const __m512 qa = _mm512_loadu_ps(q + x), qb = _mm512_loadu_ps(q + x + 16);
+      for (int u = 0; u < 4; ++u) {
+        __m512 ka, kb;
+        load32(k_rows[t + u] + off + x, ka, kb);
+        a[u] = _mm512_fmadd_ps(qa, ka, a[u]);
+        b[u] = _mm512_fmadd_ps(qb, kb, b[u]);
+      }
+    }
+    if (x < d) {  // a 16-dim tail
+      const __m512 qa = _mm512_loadu_ps(q + x);
+      for (int u = 0; u < 4; ++u) a[u] = _mm512_fmadd_ps(qa, load16(k_rows[t + u] + off + x), a[u]);
+    }
+    for (int u = 0; u < 4; ++u) dots[t + u] = _mm512_add_ps(a[u], b[u]);
+  }
+}
+
+#if defined(__AVX512BF16__)
+// The same for bfloat16 queries and keys: one dot-product instruction per 32 dims (products of bfloat16
+// pairs are exact in float32), eight keys at a time.
+inline void dots_bf16(const uint16_t* q, const c10::BFloat16* const* k_rows, int64_t off, int64_t d,
+                      __m512* dots) {
+  for (int64_t t = 0; t < kTile; t += 8) {
+    __m512 a[8];
+    for (int u = 0; u < 8; ++u) a[u] = _mm512_setzero_ps();
+    int64_t x = 0;
+    for (; x + 32 <= d; x += 32) {
+      const __m512bh qv = (__m512bh)_mm512_loadu_si512(q + x);
+      for (int u = 0; u < 8; ++u) {
+        a[u] = _mm512_dpbf16_ps(a[u], qv, (__m512bh)_mm512_loadu_si512(k_rows[t + u] + off + x));
+      }
+    }
+    if (x < d) {  // a 16-dim tail, zero-extended
+      const __m512bh qv = (__m512bh)_mm512_zextsi256_si512(_mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(q + x)));
+      for (int u = 0; u < 8; ++u) {
+        const __m256i k = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(k_rows[t + u] + off + x));
+        a[u] = _mm512_dpbf16_ps(a[u], qv, (__m512bh)_mm512_zextsi256_si512(k));
+      }
+    }
+    for (int u = 0; u < 8; ++u) dots[t + u] = a[u];
+  }
+}
+#endif
+
+// acc[h] += sum over the tile's keys t of s[h][t] * V[t], for NH query heads of a group (V in slot_of
+// order): every V load and widening serves all NH heads.
+template <int NH, typename KV>
+inline void pv_heads(const KV* const* v_rows, int64_t off, int64_t d, const float* s, float* acc) {
+  int64_t x = 0;
+  for (; x + 32 <= d; x += 32) {
+    __m512 a[NH][2];
+    for (int h = 0; h < NH; ++h) {
+      a[h][0] = _mm512_loadu_ps(acc + h * d + x);
+      a[h][1] = _mm512_loadu_ps(acc + h * d + x + 16);
+    }
+    for (int64_t t = 0; t < kTile; ++t) {
+      __m512 va, vb;
+      load32(v_rows[t] + off + x, va, vb);
+      for (int h = 0; h < NH; ++h) {
+        const __m512 p = _mm512_set1_ps(s[h * kTile + t]);
+        a[h][0] = _mm512_fmadd_ps(p, va, a[h][0]);
+        a[h][1] = _mm512_fmadd_ps(p, vb, a[h][1]);
+      }
+    }
+    for (int h = 0; h < NH; ++h) {
+      _mm512_storeu_ps(acc + h * d + x, a[h][0]);
+      _mm512_storeu_ps(acc + h * d + x + 16, a[h][1]);
+    }
+  }
+  if (x < d) {
+    __m512 a[NH];
+    for (int h = 0; h < NH; ++h) a[h] = _mm512_loadu_ps(acc + h * d + x);
+    for (int64_t t = 0; t < kTile; ++t) {
+      const __m512 v = load16(v_rows[t] + off + x);
+      for (int h = 0; h < NH; ++h) a[h] = _mm512_fmadd_ps(_mm512_set1_ps(s[h * kTile + t]), v, a[h]);
+    }
+    for (int h = 0; h < NH; ++h) _mm512_storeu_ps(acc + h * d + x, a[h]);
+  }
+}
+
+// One tile of keys for one KV head's G query heads: scores, the online softmax step, then P.V. Slots past
+// n hold a real key (tile_rows) whose probability is 0. ``Q`` picks the bfloat16 dot-product path.
+template <typename KV, typename Q>
+void tile_avx512(const KV* const* k_rows, const KV* const* v_rows, int64_t off, int64_t n, const Geometry& g,
+                 float scale, const Heads& w) {
   const int64_t d = g.head_dim;
   const __mmask16 valid = static_cast<__mmask16>(n == kTile ? 0xFFFF : (1u << n) - 1);
   for (int64_t qi = 0; qi < g.group; ++qi) {
-    const float* q = w.q.data() + qi * d;
-    float* s = w.s.data() + qi * kTile;
     __m512 dots[kTile];
-    for (int64_t t = 0; t < kTile; ++t) dots[t] = _mm512_setzero_ps();
-    // Four keys at a time: four independent FMA chains share each query load. The K rows stay in L1
-    // for the other query heads of the group.
-    int64_t t = 0;
-    for (; t + 4 <= n; t += 4) {
-      __m512 d0 = dots[t], d1 = dots[t + 1], d2 = dots[t + 2], d3 = dots[t + 3];
-      for (int64_t x = 0; x < d; x += 16) {
-        const __m512 qv = _mm512_loadu_ps(q + x);
-        d0 = _mm512_fmadd_ps(qv, load16(k_rows[t] + x), d0);
-        d1 = _mm512_fmadd_ps(qv, load16(k_rows[t + 1] + x), d1);
-        d2 = _mm512_fmadd_ps(qv, load16(k_rows[t + 2] + x), d2);
-        d3 = _mm512_fmadd_ps(qv, load16(k_rows[t + 3] + x), d3);
-      }
-      dots[t] = d0, dots[t + 1] = d1, dots[t + 2] = d2, dots[t + 3] = d3;
+#if defined(__AVX512BF16__)
+    if constexpr (std::is_same<KV, c10::BFloat16>::value && std::is_same<Q, c10::BFloat16>::value) {
+      dots_bf16(w.qb + qi * d, k_rows, off, d, dots);
+    } else {
+      dots_f32(w.q + qi * d, k_rows, off, d, dots);
     }
-    for (; t < n; ++t) {
-      for (int64_t x = 0; x < d; x += 16) {
-        dots[t] = _mm512_fmadd_ps(_mm512_loadu_ps(q + x), load16(k_rows[t] + x), dots[t]);
-      }
-    }
+#else
+    dots_f32(w.q + qi * d, k_rows, off, d, dots);
+#endif
     const __m512 sv = _mm512_mask_mov_ps(_mm512_set1_ps(kNegInf), valid,
                                          _mm512_mul_ps(hsum16(dots), _mm512_set1_ps(scale)));
-    float* acc = w.acc.data() + qi * d;
-    float* lv = w.lv.data() + qi * kTile;
+    float* acc = w.acc + qi * d;
+    float* lv = w.lv + qi * kTile;
     // m need not be the exact running maximum, only within kSlack of it: e^(s - m) <= e^kSlack cannot
     // overflow, and the final division cancels whatever m was. So most tiles skip the maximum's reduction
     // and the rescale.
@@ -189,18 +314,16 @@ void tile_avx512(const T* const* k_rows, const T* const* v_rows, int64_t n, cons
     }
     const __m512 p = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(sv, _mm512_set1_ps(w.m[qi]))));
     _mm512_storeu_ps(lv, _mm512_add_ps(_mm512_loadu_ps(lv), p));  // lane-wise sums, added up at the end
-    _mm512_storeu_ps(s, p);
-    for (int64_t x = 0; x < d; x += 16) {  // four chains: the FMA latency no output vector waits on
-      __m512 a0 = _mm512_loadu_ps(acc + x), a1 = _mm512_setzero_ps(), a2 = a1, a3 = a1;
-      t = 0;
-      for (; t + 4 <= n; t += 4) {
-        a0 = _mm512_fmadd_ps(_mm512_set1_ps(s[t]), load16(v_rows[t] + x), a0);
-        a1 = _mm512_fmadd_ps(_mm512_set1_ps(s[t + 1]), load16(v_rows[t + 1] + x), a1);
-        a2 = _mm512_fmadd_ps(_mm512_set1_ps(s[t + 2]), load16(v_rows[t + 2] + x), a2);
-        a3 = _mm512_fmadd_ps(_mm512_set1_ps(s[t + 3]), load16(v_rows[t + 3] + x), a3);
-      }
-      for (; t < n; ++t) a0 = _mm512_fmadd_ps(_mm512_set1_ps(s[t]), load16(v_rows[t] + x), a0);
-      _mm512_storeu_ps(acc + x, _mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+    _mm512_storeu_ps(w.s + qi * kTile, p);
+  }
+  for (int64_t h0 = 0; h0 < g.group; h0 += 4) {  // P.V, four query heads at a time
+    const float* s = w.s + h0 * kTile;
+    float* acc = w.acc + h0 * d;
+    switch (std::min<int64_t>(4, g.group - h0)) {
+      case 1: pv_heads<1>(v_rows, off, d, s, acc); break;
+      case 2: pv_heads<2>(v_rows, off, d, s, acc); break;
+      case 3: pv_heads<3>(v_rows, off, d, s, acc); break;
+      default: pv_heads<4>(v_rows, off, d, s, acc); break;
     }
   }
 }
@@ -251,16 +374,16 @@ inline float hmax8(__m256 v) {
 }
 
 template <typename T>
-void tile_avx2(const T* const* k_rows, const T* const* v_rows, int64_t n, const Geometry& g, float scale,
-               Scratch& w) {
+void tile_avx2(const T* const* k_rows, const T* const* v_rows, int64_t off, int64_t n, const Geometry& g, float scale,
+               const Heads& w) {
   const int64_t d = g.head_dim;
   const __m256 count = _mm256_set1_ps(static_cast<float>(n));
   const __m256 valid[2] = {_mm256_cmp_ps(_mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), count, _CMP_LT_OQ),
                            _mm256_cmp_ps(_mm256_setr_ps(8, 9, 10, 11, 12, 13, 14, 15), count, _CMP_LT_OQ)};
   const __m256 neg_inf = _mm256_set1_ps(kNegInf);
   for (int64_t qi = 0; qi < g.group; ++qi) {
-    const float* q = w.q.data() + qi * d;
-    float* s = w.s.data() + qi * kTile;
+    const float* q = w.q + qi * d;
+    float* s = w.s + qi * kTile;
     __m256 dots[kTile];
     for (int64_t t = 0; t < kTile; ++t) dots[t] = _mm256_setzero_ps();
     int64_t t = 0;
@@ -268,23 +391,23 @@ void tile_avx2(const T* const* k_rows, const T* const* v_rows, int64_t n, const 
       __m256 d0 = dots[t], d1 = dots[t + 1], d2 = dots[t + 2], d3 = dots[t + 3];
       for (int64_t x = 0; x < d; x += 8) {
         const __m256 qv = _mm256_loadu_ps(q + x);
-        d0 = _mm256_fmadd_ps(qv, load8(k_rows[t] + x), d0);
-        d1 = _mm256_fmadd_ps(qv, load8(k_rows[t + 1] + x), d1);
-        d2 = _mm256_fmadd_ps(qv, load8(k_rows[t + 2] + x), d2);
-        d3 = _mm256_fmadd_ps(qv, load8(k_rows[t + 3] + x), d3);
+        d0 = _mm256_fmadd_ps(qv, load8((k_rows[t] + off) + x), d0);
+        d1 = _mm256_fmadd_ps(qv, load8((k_rows[t + 1] + off) + x), d1);
+        d2 = _mm256_fmadd_ps(qv, load8((k_rows[t + 2] + off) + x), d2);
+        d3 = _mm256_fmadd_ps(qv, load8((k_rows[t + 3] + off) + x), d3);
       }
       dots[t] = d0, dots[t + 1] = d1, dots[t + 2] = d2, dots[t + 3] = d3;
     }
     for (; t < n; ++t) {
       for (int64_t x = 0; x < d; x += 8) {
-        dots[t] = _mm256_fmadd_ps(_mm256_loadu_ps(q + x), load8(k_rows[t] + x), dots[t]);
+        dots[t] = _mm256_fmadd_ps(_mm256_loadu_ps(q + x), load8((k_rows[t] + off) + x), dots[t]);
       }
     }
     const __m256 sc = _mm256_set1_ps(scale);
     __m256 sv[2];
     for (int h = 0; h < 2; ++h) sv[h] = _mm256_blendv_ps(neg_inf, _mm256_mul_ps(hsum8(dots + 8 * h), sc), valid[h]);
-    float* acc = w.acc.data() + qi * d;
-    float* lv = w.lv.data() + qi * kTile;
+    float* acc = w.acc + qi * d;
+    float* lv = w.lv + qi * kTile;
     // the running maximum need only be within kSlack of the true one (see tile_avx512)
     const __m256 limit = _mm256_set1_ps(w.m[qi] + kSlack);
     if (_mm256_movemask_ps(_mm256_or_ps(_mm256_cmp_ps(sv[0], limit, _CMP_GT_OQ),
@@ -305,12 +428,12 @@ void tile_avx2(const T* const* k_rows, const T* const* v_rows, int64_t n, const 
       __m256 a0 = _mm256_loadu_ps(acc + x), a1 = _mm256_setzero_ps(), a2 = a1, a3 = a1;
       t = 0;
       for (; t + 4 <= n; t += 4) {
-        a0 = _mm256_fmadd_ps(_mm256_set1_ps(s[t]), load8(v_rows[t] + x), a0);
-        a1 = _mm256_fmadd_ps(_mm256_set1_ps(s[t + 1]), load8(v_rows[t + 1] + x), a1);
-        a2 = _mm256_fmadd_ps(_mm256_set1_ps(s[t + 2]), load8(v_rows[t + 2] + x), a2);
-        a3 = _mm256_fmadd_ps(_mm256_set1_ps(s[t + 3]), load8(v_rows[t + 3] + x), a3);
+        a0 = _mm256_fmadd_ps(_mm256_set1_ps(s[t]), load8((v_rows[t] + off) + x), a0);
+        a1 = _mm256_fmadd_ps(_mm256_set1_ps(s[t + 1]), load8((v_rows[t + 1] + off) + x), a1);
+        a2 = _mm256_fmadd_ps(_mm256_set1_ps(s[t + 2]), load8((v_rows[t + 2] + off) + x), a2);
+        a3 = _mm256_fmadd_ps(_mm256_set1_ps(s[t + 3]), load8((v_rows[t + 3] + off) + x), a3);
       }
-      for (; t < n; ++t) a0 = _mm256_fmadd_ps(_mm256_set1_ps(s[t]), load8(v_rows[t] + x), a0);
+      for (; t < n; ++t) a0 = _mm256_fmadd_ps(_mm256_set1_ps(s[t]), load8((v_rows[t] + off) + x), a0);
       _mm256_storeu_ps(acc + x, _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
     }
   }
@@ -318,38 +441,62 @@ void tile_avx2(const T* const* k_rows, const T* const* v_rows, int64_t n, const 
 
 #endif  // KVGATE_ATTN_AVX2
 
-// One row and one KV head: its G query heads attend to keys [0, ctx) in tiles of kTile keys.
+// Whether the AVX-512 path runs this head size (its query and output orders are slot_of's).
+inline bool avx512_path(int64_t d) {
+#if defined(__AVX512F__)
+  return d % 16 == 0;
+#else
+  (void)d;
+  return false;
+#endif
+}
+
+// One row, KV heads [h0, h1): their query heads attend to keys [0, ctx) in tiles of kTile keys, each tile
+// read for all those KV heads before the next.
 template <typename KV, typename Q>
-void attend(const Q* query, const KV* k, const KV* v, const int64_t* table, int64_t ctx, int64_t kv_head,
+void attend(const Q* query, const KV* k, const KV* v, const int64_t* table, int64_t ctx, int64_t h0, int64_t h1,
             const Geometry& g, float scale, Q* out, Scratch& w) {
-  const int64_t d = g.head_dim, first = kv_head * g.group * d;
-  for (int64_t i = 0; i < g.group * d; ++i) w.q[i] = static_cast<float>(query[first + i]);
-  std::fill(w.acc.begin(), w.acc.end(), 0.f);
-  std::fill(w.m.begin(), w.m.end(), kNegInf);
-  std::fill(w.l.begin(), w.l.end(), 0.f);
-  std::fill(w.lv.begin(), w.lv.end(), 0.f);
+  const int64_t d = g.head_dim, q0 = h0 * g.group, q1 = h1 * g.group;
+  const bool vec512 = avx512_path(d);
+  for (int64_t qh = q0; qh < q1; ++qh) {
+    for (int64_t x = 0; x < d; ++x) {
+      const Q value = query[qh * d + x];
+      w.q[qh * d + (vec512 ? slot_of<KV>(x, d) : x)] = static_cast<float>(value);
+      if constexpr (std::is_same<Q, c10::BFloat16>::value) w.qb[qh * d + x] = value.x;
+    }
+    std::fill_n(w.acc.begin() + qh * d, d, 0.f);
+    std::fill_n(w.lv.begin() + qh * kTile, kTile, 0.f);
+    w.m[qh] = kNegInf;
+    w.l[qh] = 0.f;
+  }
   const KV* k_rows[kTile];
   const KV* v_rows[kTile];
   for (int64_t j0 = 0; j0 < ctx; j0 += kTile) {
     const int64_t n = std::min(kTile, ctx - j0);
-    tile_rows(k, v, table, j0, n, kv_head, g, k_rows, v_rows);
+    tile_rows(k, v, table, j0, n, g, k_rows, v_rows);
+    if (h1 - h0 > 1) touch_tile(k_rows, v_rows, n, g);
+    for (int64_t h = h0; h < h1; ++h) {
+      const Heads heads(w, h, g);
 #if defined(__AVX512F__)
-    if (d % 16 == 0) {
-      tile_avx512(k_rows, v_rows, n, g, scale, w);
-      continue;
-    }
+      if (vec512) {
+        tile_avx512<KV, Q>(k_rows, v_rows, h * d, n, g, scale, heads);
+        continue;
+      }
 #elif defined(KVGATE_ATTN_AVX2)
-    if (d % 8 == 0) {
-      tile_avx2(k_rows, v_rows, n, g, scale, w);
-      continue;
-    }
+      if (d % 8 == 0) {
+        tile_avx2(k_rows, v_rows, h * d, n, g, scale, heads);
+        continue;
+      }
 #endif
-    tile_scalar(k_rows, v_rows, n, g, scale, w);
+      tile_scalar(k_rows, v_rows, h * d, n, g, scale, heads);
+    }
   }
-  for (int64_t qi = 0; qi < g.group; ++qi) {
-    const float* lv = w.lv.data() + qi * kTile;
-    const float inv = 1.f / std::accumulate(lv, lv + kTile, w.l[qi]);
-    for (int64_t x = 0; x < d; ++x) out[first + qi * d + x] = static_cast<Q>(w.acc[qi * d + x] * inv);
+  for (int64_t qh = q0; qh < q1; ++qh) {
+    const float* lv = w.lv.data() + qh * kTile;
+    const float inv = 1.f / std::accumulate(lv, lv + kTile, w.l[qh]);
+    for (int64_t x = 0; x < d; ++x) {
+      out[qh * d + x] = static_cast<Q>(w.acc[qh * d + (vec512 ? slot_of<KV>(x, d) : x)] * inv);
+    }
   }
 }
 
@@ -360,12 +507,16 @@ void run(const torch::Tensor& query, const torch::Tensor& k_cache, const torch::
   const KV* k = k_cache.data_ptr<KV>();
   const KV* v = v_cache.data_ptr<KV>();
   Q* o = out.data_ptr<Q>();
-  const int64_t row_stride = g.num_heads * g.head_dim;
-  at::parallel_for(0, query.size(0) * g.num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+  const int64_t rows = query.size(0), row_stride = g.num_heads * g.head_dim;
+  // whole rows once every thread has two; (row, KV head) items below that
+  const int64_t per_row = rows >= 2 * at::get_num_threads() ? 1 : g.num_kv_heads;
+  const int64_t span = g.num_kv_heads / per_row;
+  at::parallel_for(0, rows * per_row, 1, [&](int64_t begin, int64_t end) {
     Scratch w(g);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t r = item / g.num_kv_heads, h = item % g.num_kv_heads;
-      attend(q + r * row_stride, k, v, tables + r * g.max_blocks, ctx[r], h, g, scale, o + r * row_stride, w);
+      const int64_t r = item / per_row, h = item % per_row * span;
+      attend(q + r * row_stride, k, v, tables + r * g.max_blocks, ctx[r], h, h + span, g, scale,
+             o + r * row_stride, w);
     }
   });
 }

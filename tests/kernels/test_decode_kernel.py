@@ -55,6 +55,19 @@ def test_query_and_cache_dtypes_may_differ(q_dtype, kv_dtype):
     _check(*_case(9, 3, 64, LENS, kv_dtype, q_dtype, seed=1))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_whole_row_items_and_kv_head_items_agree(dtype):
+    """Twelve rows run as whole-row work items (every KV head per pass over the keys) on up to six
+    threads, a lone row as one item per KV head: both match the reference, and each other."""
+    q, k, v, tables, lens = _case(9, 3, 64, LENS * 2, dtype, seed=5)
+    _check(q, k, v, tables, lens)
+    together = paged_decode_attention(q, k, v, torch.tensor(tables), torch.tensor(lens), 0.125)
+    for i in range(len(lens)):
+        alone = paged_decode_attention(q[i:i + 1], k, v, torch.tensor(tables[i:i + 1]),
+                                       torch.tensor(lens[i:i + 1]), 0.125)
+        torch.testing.assert_close(alone, together[i:i + 1], **TOL[dtype])
+
+
 # 24, 80: not multiples of 16 (the portable loops with AVX-512, the vector path with AVX2); 20: portable
 @pytest.mark.parametrize("head_dim", [16, 20, 24, 80])
 def test_other_head_sizes_and_block_sizes(head_dim):
