@@ -47,9 +47,10 @@ class EngineConfig:
             on the 4-bit copies for steps of at most ``int4_max_rows`` rows and on the dense weights
             above, and the fused attention kernel) instead of ~35 torch ops and as many trips through
             Python a layer; off runs the same arithmetic op by op.
-        kv_cache_dtype: ``auto`` (float32 on the CPU, where small-M bfloat16 batched matmuls are ~10x
-            slower than float32 ones and decode attention is all small-M; the model dtype on GPUs), an
-            explicit dtype, or ``int8`` / ``fp8`` (e4m3; CUDA GPUs of compute capability 8.9 and up):
+        kv_cache_dtype: ``auto`` (the model's dtype: bfloat16 or float32 on the CPU, whose fused decode
+            attention reads either and streams half the bytes from a bfloat16 cache; a float16 model keeps
+            a float32 cache there), an explicit dtype, or ``int8`` / ``fp8`` (e4m3; CUDA GPUs of compute
+            capability 8.9 and up):
             8-bit values with a float32 scale per token and KV head, 1.88x the tokens of a bfloat16
             pool in the same memory (``kernels.kv_quant``; docs/performance.md#kv-cache-quantization).
         block_size: Tokens per KV block.

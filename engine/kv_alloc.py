@@ -19,7 +19,9 @@ def kv_dtype(config: EngineConfig, dtype: torch.dtype, device: torch.device) -> 
         return QUANT_DTYPES[config.kv_cache_dtype]
     if config.kv_cache_dtype != "auto":
         return DTYPES[config.kv_cache_dtype]
-    return torch.float32 if device.type == "cpu" else dtype
+    if device.type == "cpu":  # the fused decode kernel reads float32 and bfloat16 caches (not float16)
+        return torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+    return dtype
 
 
 def bytes_per_block(config: EngineConfig, mc: ModelConfig, dtype: torch.dtype) -> int:

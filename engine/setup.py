@@ -245,8 +245,8 @@ def _build_invariant_plan(config: EngineConfig, loaded: LoadedModel
         if loaded.device.type != "cpu":
             return ("the C++ batch-invariant kernels run on the CPU only "
                     "(use invariant_backend='triton')"), None
-        if loaded.kv_caches[0][0].dtype != torch.float32:
-            return "batch_invariant on the CPU needs a float32 KV cache", None
+        if loaded.kv_caches[0][0].dtype not in (torch.float32, torch.bfloat16):
+            return "batch_invariant on the CPU needs a float32 or bfloat16 KV cache", None
         if error := prepare_cpu_kernels(config.cache_dir):
             return error, None
     with torch.inference_mode():

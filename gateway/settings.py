@@ -36,7 +36,7 @@ class Settings(BaseSettings):
             are 4-bit already, as the default model's are, in bfloat16 or in the float32 that ``auto``
             picks; an explicit ``float32`` stays exact), ``on`` or ``off``.
         device: ``cpu`` or ``cuda``.
-        kv_cache_dtype: The KV pool's dtype: ``auto`` (float32 on the CPU, the model's dtype on a GPU),
+        kv_cache_dtype: The KV pool's dtype: ``auto`` (the model's; float32 for a float16 model on the CPU),
             ``float32``, ``bfloat16``, ``float16``, or 8-bit ``int8`` / ``fp8`` (e4m3, GPUs of compute
             capability 8.9 and up) with a scale per token and KV head: 1.88x the tokens of a bfloat16
             pool in the same memory (docs/performance.md#kv-cache-quantization).

@@ -170,13 +170,18 @@ def _decode_fused(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 def _prefill_torch(query: torch.Tensor, k_cache: torch.Tensor | QuantizedKV,
                    v_cache: torch.Tensor | QuantizedKV, meta: AttentionMetadata, scale: float,
                    out: torch.Tensor) -> None:
-    """Chunk by chunk: gather the context (dequantized if 8-bit), then SDPA (the CPU's path)."""
+    """Chunk by chunk: gather the context (dequantized if 8-bit), then SDPA (the CPU's path). A bfloat16
+    cache on the CPU is read in float32, as the fused decode kernel reads it: a bfloat16 model's K/V are
+    bfloat16 values either way, and a token's attention then does not depend on whether it ran in a
+    prefill chunk or a decode step (bfloat16 SDPA rounds the probabilities to bfloat16)."""
     group = query.shape[1] // k_cache.shape[-2]
+    widen = query.device.type == "cpu" and compute_dtype(k_cache) == torch.bfloat16
+    dtype = torch.float32 if widen else out.dtype
     for span in meta.prefills:
         s, n = span.q_start, span.q_len
-        q = query[s:s + n].transpose(0, 1).unsqueeze(0).to(out.dtype)  # [1, H, n, Dh]
-        k = gather_slots(k_cache, span.ctx_slots).transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, Dh]
-        v = gather_slots(v_cache, span.ctx_slots).transpose(0, 1).unsqueeze(0)
+        q = query[s:s + n].transpose(0, 1).unsqueeze(0).to(dtype)  # [1, H, n, Dh]
+        k = gather_slots(k_cache, span.ctx_slots).transpose(0, 1).unsqueeze(0).to(dtype)  # [1, Hkv, L, Dh]
+        v = gather_slots(v_cache, span.ctx_slots).transpose(0, 1).unsqueeze(0).to(dtype)
         if span.mask is None:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=group > 1)
         else:
@@ -257,6 +262,9 @@ def _invariant_rows(query: torch.Tensor, k_cache: torch.Tensor | QuantizedKV,
     tables = inv.block_tables
     if isinstance(k_cache, QuantizedKV):  # the rows kernels read dense caches: just the blocks they need
         k_cache, v_cache, tables = dense_view(k_cache, v_cache, tables)
+    elif inv.backend == "cpp" and k_cache.dtype == torch.bfloat16:  # the C++ one reads float32: widen them
+        ids, inverse = torch.unique(tables, return_inverse=True)
+        k_cache, v_cache, tables = k_cache[ids].float(), v_cache[ids].float(), inverse.view_as(tables)
     return rows_kernel(query[inv.start:].to(k_cache.dtype), k_cache, v_cache, tables, inv.row_seq,
                        inv.row_ctx, scale)
 

@@ -48,6 +48,18 @@ def test_batch_invariant_bits_survive_any_batch_tiny(tiny_engine_factory):
     assert ref.token_hash is not None
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["float32", "bfloat16"])
+def test_batch_invariant_bits_survive_any_batch_with_either_cpu_kv_dtype(tiny_engine_factory, kv_cache_dtype):
+    # The C++ rows kernel reads float32: a bfloat16 pool's blocks are widened for it, one value at a time
+    prompt = random_prompt(random.Random(11), 70)
+    def make(**kw):
+        return tiny_engine_factory(dtype="bfloat16", kv_cache_dtype=kv_cache_dtype, **kw)
+
+    ref, seen = _invariance_trials(make, prompt, _greedy("batch_invariant"), 2)
+    assert all(obs == ref for obs in seen)
+    assert ref.token_hash is not None
+
+
 def test_fast_mode_differences_are_visible_to_the_harness(tiny_engine_factory):
     # Not a promise fast mode breaks, but proof the comparison above is sharp enough to see a difference.
     # float32: its BLAS picks kernels by row count, so fast mode's bits visibly move with the batch; a

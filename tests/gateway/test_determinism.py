@@ -84,11 +84,11 @@ async def test_policy_forces_a_mode(gw: Gateway) -> None:
 
 @pytest.fixture(scope="module")
 def llm_without_bi(tiny_model_dir: Path):  # type: ignore[no-untyped-def]
-    """A real engine whose batch_invariant mode fails to enable (it needs a float32 KV cache)."""
+    """A real engine whose batch_invariant mode fails to enable (its C++ kernels read no float16 KV cache)."""
     from engine import AsyncLLMEngine, EngineConfig
 
     engine = AsyncLLMEngine(
-        EngineConfig(model=str(tiny_model_dir), num_kv_blocks=64, kv_cache_dtype="bfloat16")
+        EngineConfig(model=str(tiny_model_dir), num_kv_blocks=64, kv_cache_dtype="float16")
     )
     engine.start()
     yield engine
