@@ -58,7 +58,7 @@ def _cut(vals: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, complete:
         complete: ``vals`` holds the whole vocabulary.
     """
     num = vals.shape[1]
-    cs = vals.cumsum(dim=-1, dtype=torch.float64)  # [R, K], sequential per row
+    cs = _cumsum64(vals)  # [R, K], sequential per row
     has_k, has_p = top_k < num, top_p < 1.0
     kth = vals.gather(1, (top_k.clamp(max=num) - 1)[:, None])[:, 0]  # [R]
     num_k = (vals >= kth[:, None]).sum(dim=-1)
@@ -76,13 +76,25 @@ def _rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return x if idx.numel() == x.shape[0] else x[idx]
 
 
+def _cumsum64(x: torch.Tensor) -> torch.Tensor:
+    """Sequential float64 prefix sums along each row of ``x``. On the CPU row by row: torch's kernel over
+    a [R, vocab] tensor takes ~0.25 ms a row from 4 rows up against ~0.06 for one row alone, with the same
+    bits (each row's sums run in order either way)."""
+    if x.device.type != "cpu" or x.shape[0] < 4:
+        return x.cumsum(dim=-1, dtype=torch.float64)
+    out = torch.empty(x.shape, dtype=torch.float64)
+    for i in range(x.shape[0]):
+        torch.cumsum(x[i], 0, dtype=torch.float64, out=out[i])
+    return out
+
+
 def _search(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """[R] the position whose CDF interval holds ``u``, the CDF taken along each row of ``weights``.
 
     A zero weight (a dropped token, or one whose probability underflowed) adds nothing to the CDF, so
     the left search never lands on it. The prefix sums are float64 and sequential: every token's interval
     is its probability to 2^-53, and a row's sums are the same bits with or without zeros in between."""
-    cdf = weights.cumsum(dim=-1, dtype=torch.float64)  # [R, K]
+    cdf = _cumsum64(weights)  # [R, K]
     target = u * cdf[:, -1]  # u in (0, 1], so 0 < target <= the row's total
     return torch.searchsorted(cdf, target[:, None])[:, 0].clamp_(max=weights.shape[1] - 1)
 

@@ -8,7 +8,7 @@ import torch
 
 from engine.determinism import ENGINE_VERSION
 from engine.request import SamplingParams, Sequence
-from engine.sampler import draw_uniform, sample
+from engine.sampler import _cumsum64, draw_uniform, sample
 
 PROBS = [0.4, 0.25, 0.15, 0.1, 0.06, 0.04]
 LOGITS = torch.tensor(PROBS).log()
@@ -205,3 +205,12 @@ def test_seeded_tokens_are_pinned_to_the_engine_version():
     logits = torch.linspace(-2.0, 2.0, 97)[None]
     tokens = [sample(logits, [_seq(params, seed=s, position=3 + s)])[0][0] for s in range(8)]
     assert (ENGINE_VERSION, tokens) == ("0.3.0", [75, 83, 79, 78, 94, 60, 95, 93])
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 33])
+def test_row_by_row_prefix_sums_are_the_bits_of_the_batched_ones(rows):
+    # seeded draws promise the same token whatever the batch: the CPU's row-by-row sums must not move a bit
+    g = torch.Generator().manual_seed(rows)
+    w = torch.softmax(torch.randn(rows, 49152, generator=g) * 4, dim=-1)
+    w[:, ::5] = 0.0  # dropped tokens
+    assert torch.equal(_cumsum64(w), w.cumsum(dim=-1, dtype=torch.float64))
