@@ -3,9 +3,18 @@
 #pragma once
 
 #include <torch/extension.h>
+#include <c10/util/BFloat16.h>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
+
+// 16 float32 or bfloat16 values as float32 (bfloat16 is the high half of a float32).
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
 
 // e^x for x <= 0 (attention scores minus their running max; SiLU's e^-|x|): Cephes' expf range reduction
 // and polynomial, about 2 ulp; scalef gives the 2^n factor and underflows to 0 correctly.

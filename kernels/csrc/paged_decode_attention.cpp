@@ -86,8 +86,8 @@ inline void tile_rows(const T* k, const T* v, const int64_t* table, int64_t j0, 
 }
 
 // Read the tile's K and V rows (every KV head) once, in address order, before the per-head passes: each
-// block is one contiguous run, which the hardware's stream prefetcher then fetches ahead of the loads, where
-// the per-head passes' strided reads leave each line to a demand miss of its own.
+// block is one contiguous run, which the hardware's stream prefetcher then fetches ahead of the loads,
+// where the per-head passes' strided reads leave each line to a demand miss of its own.
 template <typename T>
 inline void touch_tile(const T* const* k_rows, const T* const* v_rows, int64_t n, const Geometry& g) {
   constexpr int64_t kLine = 64;
@@ -104,11 +104,24 @@ inline void touch_tile(const T* const* k_rows, const T* const* v_rows, int64_t n
   asm volatile("" : : "r"(sink));
 }
 
+template <typename KV>
+constexpr bool kPermuted = std::is_same<KV, c10::BFloat16>::value;
+
+// Where dim x of a head sits in the AVX-512 path's order for a cache of KV: bfloat16 rows widen 32 dims
+// at a time into (even dims, odd dims) (load32); a 16-dim tail keeps its order. Plain C++, as every build
+// lays out its queries through it.
+template <typename KV>
+inline int64_t slot_of(int64_t x, int64_t d) {
+  const int64_t c = x / 32 * 32, i = x % 32;
+  if (!kPermuted<KV> || c + 32 > d) return x;
+  return c + (i % 2) * 16 + i / 2;
+}
+
 // ---- portable path: plain loops the compiler may vectorise for whatever CPU it targets ----
 
 template <typename T>
-void tile_scalar(const T* const* k_rows, const T* const* v_rows, int64_t off, int64_t n, const Geometry& g, float scale,
-                 const Heads& w) {
+void tile_scalar(const T* const* k_rows, const T* const* v_rows, int64_t off, int64_t n, const Geometry& g,
+                 float scale, const Heads& w) {
   const int64_t d = g.head_dim;
   for (int64_t qi = 0; qi < g.group; ++qi) {
     const float* q = w.q + qi * d;
@@ -116,7 +129,7 @@ void tile_scalar(const T* const* k_rows, const T* const* v_rows, int64_t off, in
     float tile_max = kNegInf;
     for (int64_t t = 0; t < n; ++t) {
       float dot = 0.f;
-      for (int64_t x = 0; x < d; ++x) dot += q[x] * static_cast<float>((k_rows[t] + off)[x]);
+      for (int64_t x = 0; x < d; ++x) dot += q[x] * static_cast<float>(k_rows[t][off + x]);
       s[t] = dot * scale;
       tile_max = std::max(tile_max, s[t]);
     }
@@ -130,20 +143,13 @@ void tile_scalar(const T* const* k_rows, const T* const* v_rows, int64_t off, in
     for (int64_t t = 0; t < n; ++t) {
       const float p = std::exp(s[t] - w.m[qi]);
       w.l[qi] += p;
-      for (int64_t x = 0; x < d; ++x) acc[x] += p * static_cast<float>((v_rows[t] + off)[x]);
+      for (int64_t x = 0; x < d; ++x) acc[x] += p * static_cast<float>(v_rows[t][off + x]);
     }
   }
 }
 
 // ---- AVX-512 path (head_dim a multiple of 16) ----
 #if defined(__AVX512F__)
-
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-
-inline __m512 load16(const c10::BFloat16* p) {  // bfloat16 is the high half of a float32
-  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-}
 
 // The 16 horizontal sums of d[0..16) as one vector (lane t = sum of d[t]): a transposing add tree, about
 // 45 instructions where 16 separate reductions take about 130.
@@ -179,17 +185,6 @@ inline void load32(const c10::BFloat16* p, __m512& a, __m512& b) {
   const __m512i raw = _mm512_loadu_si512(p);
   a = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
   b = _mm512_castsi512_ps(_mm512_and_si512(raw, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
-}
-
-template <typename KV>
-constexpr bool kPermuted = std::is_same<KV, c10::BFloat16>::value;
-
-// Where dim x of a head sits in the vector path's order for a cache of KV (a 16-dim tail keeps its order).
-template <typename KV>
-inline int64_t slot_of(int64_t x, int64_t d) {
-  const int64_t c = x / 32 * 32, i = x % 32;
-  if (!kPermuted<KV> || c + 32 > d) return x;
-  return c + (i % 2) * 16 + i / 2;
 }
 
 // dots[t] = the 16 partial sums of query . key t, for all kTile keys (float32 queries in slot_of order).
@@ -374,8 +369,8 @@ inline float hmax8(__m256 v) {
 }
 
 template <typename T>
-void tile_avx2(const T* const* k_rows, const T* const* v_rows, int64_t off, int64_t n, const Geometry& g, float scale,
-               const Heads& w) {
+void tile_avx2(const T* const* k_rows, const T* const* v_rows, int64_t off, int64_t n, const Geometry& g,
+               float scale, const Heads& w) {
   const int64_t d = g.head_dim;
   const __m256 count = _mm256_set1_ps(static_cast<float>(n));
   const __m256 valid[2] = {_mm256_cmp_ps(_mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), count, _CMP_LT_OQ),
@@ -391,16 +386,16 @@ void tile_avx2(const T* const* k_rows, const T* const* v_rows, int64_t off, int6
       __m256 d0 = dots[t], d1 = dots[t + 1], d2 = dots[t + 2], d3 = dots[t + 3];
       for (int64_t x = 0; x < d; x += 8) {
         const __m256 qv = _mm256_loadu_ps(q + x);
-        d0 = _mm256_fmadd_ps(qv, load8((k_rows[t] + off) + x), d0);
-        d1 = _mm256_fmadd_ps(qv, load8((k_rows[t + 1] + off) + x), d1);
-        d2 = _mm256_fmadd_ps(qv, load8((k_rows[t + 2] + off) + x), d2);
-        d3 = _mm256_fmadd_ps(qv, load8((k_rows[t + 3] + off) + x), d3);
+        d0 = _mm256_fmadd_ps(qv, load8(k_rows[t] + off + x), d0);
+        d1 = _mm256_fmadd_ps(qv, load8(k_rows[t + 1] + off + x), d1);
+        d2 = _mm256_fmadd_ps(qv, load8(k_rows[t + 2] + off + x), d2);
+        d3 = _mm256_fmadd_ps(qv, load8(k_rows[t + 3] + off + x), d3);
       }
       dots[t] = d0, dots[t + 1] = d1, dots[t + 2] = d2, dots[t + 3] = d3;
     }
     for (; t < n; ++t) {
       for (int64_t x = 0; x < d; x += 8) {
-        dots[t] = _mm256_fmadd_ps(_mm256_loadu_ps(q + x), load8((k_rows[t] + off) + x), dots[t]);
+        dots[t] = _mm256_fmadd_ps(_mm256_loadu_ps(q + x), load8(k_rows[t] + off + x), dots[t]);
       }
     }
     const __m256 sc = _mm256_set1_ps(scale);
@@ -428,12 +423,12 @@ void tile_avx2(const T* const* k_rows, const T* const* v_rows, int64_t off, int6
       __m256 a0 = _mm256_loadu_ps(acc + x), a1 = _mm256_setzero_ps(), a2 = a1, a3 = a1;
       t = 0;
       for (; t + 4 <= n; t += 4) {
-        a0 = _mm256_fmadd_ps(_mm256_set1_ps(s[t]), load8((v_rows[t] + off) + x), a0);
-        a1 = _mm256_fmadd_ps(_mm256_set1_ps(s[t + 1]), load8((v_rows[t + 1] + off) + x), a1);
-        a2 = _mm256_fmadd_ps(_mm256_set1_ps(s[t + 2]), load8((v_rows[t + 2] + off) + x), a2);
-        a3 = _mm256_fmadd_ps(_mm256_set1_ps(s[t + 3]), load8((v_rows[t + 3] + off) + x), a3);
+        a0 = _mm256_fmadd_ps(_mm256_set1_ps(s[t]), load8(v_rows[t] + off + x), a0);
+        a1 = _mm256_fmadd_ps(_mm256_set1_ps(s[t + 1]), load8(v_rows[t + 1] + off + x), a1);
+        a2 = _mm256_fmadd_ps(_mm256_set1_ps(s[t + 2]), load8(v_rows[t + 2] + off + x), a2);
+        a3 = _mm256_fmadd_ps(_mm256_set1_ps(s[t + 3]), load8(v_rows[t + 3] + off + x), a3);
       }
-      for (; t < n; ++t) a0 = _mm256_fmadd_ps(_mm256_set1_ps(s[t]), load8((v_rows[t] + off) + x), a0);
+      for (; t < n; ++t) a0 = _mm256_fmadd_ps(_mm256_set1_ps(s[t]), load8(v_rows[t] + off + x), a0);
       _mm256_storeu_ps(acc + x, _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
     }
   }
@@ -454,8 +449,8 @@ inline bool avx512_path(int64_t d) {
 // One row, KV heads [h0, h1): their query heads attend to keys [0, ctx) in tiles of kTile keys, each tile
 // read for all those KV heads before the next.
 template <typename KV, typename Q>
-void attend(const Q* query, const KV* k, const KV* v, const int64_t* table, int64_t ctx, int64_t h0, int64_t h1,
-            const Geometry& g, float scale, Q* out, Scratch& w) {
+void attend(const Q* query, const KV* k, const KV* v, const int64_t* table, int64_t ctx, int64_t h0,
+            int64_t h1, const Geometry& g, float scale, Q* out, Scratch& w) {
   const int64_t d = g.head_dim, q0 = h0 * g.group, q1 = h1 * g.group;
   const bool vec512 = avx512_path(d);
   for (int64_t qh = q0; qh < q1; ++qh) {
