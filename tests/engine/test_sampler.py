@@ -207,7 +207,7 @@ def test_seeded_tokens_are_pinned_to_the_engine_version():
     assert (ENGINE_VERSION, tokens) == ("0.3.0", [75, 83, 79, 78, 94, 60, 95, 93])
 
 
-@pytest.mark.parametrize("rows", [1, 3, 4, 33])
+@pytest.mark.parametrize("rows", [4, 33])  # fewer rows take torch's batched call itself
 def test_row_by_row_prefix_sums_are_the_bits_of_the_batched_ones(rows):
     # seeded draws promise the same token whatever the batch: the CPU's row-by-row sums must not move a bit
     g = torch.Generator().manual_seed(rows)
