@@ -89,6 +89,9 @@ class EngineConfig:
             are row-invariant.
         cuda_graphs: On CUDA, replay decode-only ``fast`` steps from CUDA graphs captured per batch-size
             bucket (``engine.cuda_decode``); off runs them eagerly from the same pinned input buffers.
+        overlap_steps: On CUDA, while the device runs a decode step, the host records the previous step's
+            tokens (stop checks, text, the deltas the server streams) instead of waiting on the device;
+            a sequence that then turns out to have stopped computes one token for nothing.
         invariant_backend: Kernels of ``batch_invariant`` mode: ``auto`` (the C++ kernel and tiled BLAS
             matmuls on the CPU, Triton kernels on CUDA), ``cpp`` or ``triton`` (on a CPU only under
             ``TRITON_INTERPRET=1``, for tests).
@@ -125,6 +128,7 @@ class EngineConfig:
     determinism_modes: tuple[str, ...] = MODES
     invariant_backend: str = "auto"
     cuda_graphs: bool = True
+    overlap_steps: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in _DTYPES:

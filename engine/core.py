@@ -8,6 +8,9 @@ import random
 import time
 import uuid
 from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+import torch
 
 from engine.config import EngineConfig
 from engine.determinism import BATCH_INVARIANT
@@ -19,7 +22,14 @@ from engine.hashing import BlockHasher
 from engine.kv_cache_manager import KVCacheManager
 from engine.model_runner import ModelRunner
 from engine.outputs import RequestState
-from engine.request import RequestDelta, RequestOutput, RequestStatus, SamplingParams, Sequence
+from engine.request import (
+    RequestDelta,
+    RequestOutput,
+    RequestStatus,
+    SamplingParams,
+    Sequence,
+    TokenLogprobs,
+)
 from engine.request_checks import RESERVED_NS, check_add_args, fitted_length, tokenize_prompt
 from engine.scheduler import Scheduler
 from engine.setup import LoadedModel, load_model, setup_determinism
@@ -28,6 +38,19 @@ from engine.stream_output import OutputAccumulator
 
 logger = logging.getLogger("kvgate.engine")
 _GRAMMAR_WAIT_S = 0.02  # with nothing to run, how long a step waits for a grammar to compile
+
+
+@dataclass(slots=True)
+class _Sampled:
+    """A forward pass run and its tokens drawn, not yet recorded (appended, checked for stops)."""
+
+    scheduled: list[tuple[Sequence, int]]
+    seqs: list[Sequence]  # the rows that drew a token, in ``tokens`` order
+    tokens: list[int]
+    logprobs: list[TokenLogprobs | None]
+    failed: dict[str, BaseException]
+    seconds: float  # from the launch to the drawn tokens
+    is_decode: bool  # a decode-only ``fast`` step of the CUDA decoder: the next may be launched ahead
 
 
 class LLMEngine:
@@ -64,6 +87,7 @@ class LLMEngine:
         self.determinism = setup_determinism(config, self.loaded)
         self.runner.tile_plan = self.determinism.tile_plan
         mc = self.loaded.model_config
+        self._held: _Sampled | None = None  # a decode step drawn, recorded by the next call
         self.grammars = GrammarQueue(GrammarCompiler(self.tokenizer, vocab_size=mc.vocab_size,
                                                      eos_token_ids=self.loaded.eos_token_ids))
 
@@ -194,26 +218,49 @@ class LLMEngine:
         """``step``, returning what each progressed request produced in this step only (what the engine
         process sends: its size does not grow with the requests' lengths).
 
+        On CUDA, with ``overlap_steps``, a decode step's sampled tokens may be recorded one call later,
+        while the device runs the next decode step (``_launch_ahead``): the deltas a call returns are then
+        the previous forward pass's, and every call still returns one pass's worth.
+
         Raises:
             StepError: The step raised for some requests and ended those only (a forward pass that raises
                 runs again one request at a time); the others' deltas ride on the error.
         """
-        failed: dict[str, BaseException] = {}
-        self._admit_compiled(failed)
-        sched = self.scheduler.schedule()
-        if sched.is_empty:
-            if failed:
-                raise StepError([], self._fail(failed), is_total=False)
-            self.grammars.wait(_GRAMMAR_WAIT_S)
-            return []
-        self._zero_freed_blocks()  # freed while scheduling (preemption, eviction): before anyone writes
-        t0 = time.perf_counter()
-        seqs, tokens, logprobs = self.runner.execute_isolating(sched.scheduled, failed)
+        sampled, self._held = self._held, None
+        if sampled is None:
+            failed: dict[str, BaseException] = {}
+            self._admit_compiled(failed)
+            sched = self.scheduler.schedule()
+            if sched.is_empty:
+                if failed:
+                    raise StepError([], self._fail(failed), is_total=False)
+                self.grammars.wait(_GRAMMAR_WAIT_S)
+                return []
+            self._zero_freed_blocks()  # freed while scheduling (preemption, eviction): before anyone writes
+            t0 = time.perf_counter()
+            is_decode = self.runner.is_decoder_step(sched.scheduled)
+            seqs, tokens, logprobs = self.runner.execute_isolating(sched.scheduled, failed)
+            sampled = _Sampled(sched.scheduled, seqs, tokens, logprobs, failed,
+                               time.perf_counter() - t0, is_decode)
+        ahead = self._launch_ahead(sampled)  # the device runs the next step while the host records this one
+        deltas, errors = self._record(sampled)
+        if ahead is not None:
+            self._held = self._sample_ahead(*ahead)
+        if errors:  # total: every request the step ran failed (a grammar's compile error is no fault of it)
+            ran = {seq.request_id for seq, _ in sampled.scheduled}
+            raise StepError(deltas, errors, is_total=ran <= errors.keys())
+        return deltas
+
+    def _record(self, sampled: _Sampled) -> tuple[list[RequestDelta], dict[str, BaseException]]:
+        """Append a forward pass's sampled tokens (ending sequences that stop), count the step; the
+        deltas of the requests it advanced and the errors of those it failed."""
+        failed = sampled.failed
         now = time.monotonic()
-        self._advance(sched.scheduled, failed)
+        scheduled = [(s, n) for s, n in sampled.scheduled if s.request_id in self.requests]  # not aborted
+        self._advance(scheduled, failed)
         touched: dict[str, RequestState] = {}
-        for seq, token, lp in zip(seqs, tokens, logprobs, strict=True):
-            if seq.request_id in failed:
+        for seq, token, lp in zip(sampled.seqs, sampled.tokens, sampled.logprobs, strict=True):
+            if seq.request_id in failed or seq.request_id not in self.requests:
                 continue
             state = touched[seq.request_id] = self.requests[seq.request_id]
             try:
@@ -225,11 +272,57 @@ class LLMEngine:
         deltas = self._make_deltas(touched, failed)
         errors = self._fail(failed)
         self._zero_freed_blocks()  # freed by finished requests: now, not when the next request comes
-        self.stats_tracker.record_step(sched.num_tokens, len(tokens), time.perf_counter() - t0)
-        if errors:  # total: every request the step ran failed (a grammar's compile error is no fault of it)
-            ran = {seq.request_id for seq, _ in sched.scheduled}
-            raise StepError(deltas, errors, is_total=ran <= errors.keys())
-        return deltas
+        self.stats_tracker.record_step(sum(n for _, n in sampled.scheduled), len(sampled.tokens),
+                                       sampled.seconds)
+        return deltas, errors
+
+    def _launch_ahead(self, sampled: _Sampled) -> tuple[list[Sequence], torch.Tensor, float] | None:
+        """With ``overlap_steps`` on CUDA: queue the forward pass of the decode step that follows
+        ``sampled``, before its tokens are recorded, when that step is the one the scheduler would make
+        (nothing waits or compiles, every running sequence decoded in ``sampled``, all ``fast``, blocks
+        free without preempting). A sequence that a recorded token then stops has computed one token for
+        nothing: its row is dropped before the draw, and its slot lies past anything cached or read.
+        Returns the rows, their logits (still being computed) and the launch time; None to record
+        ``sampled`` alone."""
+        if not (sampled.is_decode and self.config.overlap_steps and self.runner.decoder is not None):
+            return None
+        if sampled.failed or len(self.grammars):
+            return None
+        running = [s for s in sampled.seqs if s.status is RequestStatus.RUNNING]
+        if len(running) != len(self.scheduler.running):
+            return None  # another sequence (a prefill, say) needs the next step
+        # the pending token makes num_tokens + 1; a sequence that reaches max_len with it ends there
+        rows = [(s, t) for s, t in zip(sampled.seqs, sampled.tokens, strict=True)
+                if s.status is RequestStatus.RUNNING and s.num_tokens + 1 < s.max_len]
+        if not rows or not self.runner.decoder.can_run(len(rows)):
+            return None
+        seqs = [s for s, _ in rows]
+        if self.scheduler.schedule_ahead(seqs) is None:
+            return None
+        t0 = time.perf_counter()
+        try:
+            logits = self.runner.launch_ahead(seqs, [t for _, t in rows])
+        except Exception as e:  # noqa: BLE001  (the next step runs the usual way and rewrites these slots)
+            logger.warning("a decode step launched ahead failed (%s: %s); stepping without overlap",
+                           type(e).__name__, e)
+            return None
+        return seqs, logits, t0
+
+    def _sample_ahead(self, seqs: list[Sequence], logits: torch.Tensor, t0: float) -> _Sampled | None:
+        """Draw the launched-ahead step's tokens for the sequences still running (the previous tokens
+        are recorded now); held for the next call to record. None drops the step: its sequences are as
+        before it (its K/V are rewritten, with the same values, by the step that runs in its place)."""
+        live = [i for i, s in enumerate(seqs) if s.status is RequestStatus.RUNNING]
+        if not live:
+            return None
+        run = [seqs[i] for i in live]
+        try:
+            tokens, logprobs = self.runner.sample_ahead(logits, live, run)
+        except Exception as e:  # noqa: BLE001  (the usual step isolates a request's fault)
+            logger.warning("sampling a decode step launched ahead failed (%s: %s); stepping without "
+                           "overlap", type(e).__name__, e)
+            return None
+        return _Sampled([(s, 1) for s in run], run, tokens, logprobs, {}, time.perf_counter() - t0, True)
 
     def _advance(self, scheduled: list[tuple[Sequence, int]], failed: dict[str, BaseException]) -> None:
         """Count each sequence's newly computed tokens, and cache the blocks they filled."""

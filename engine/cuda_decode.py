@@ -63,17 +63,19 @@ class DecodeInputs:
         tables = d[4 * m:4 * m + rows * self.max_blocks].view(rows, self.max_blocks)
         return d[:rows], d[m:m + rows], d[2 * m:2 * m + rows], d[3 * m:3 * m + rows], tables
 
-    def fill(self, seqs: list[Sequence], rows: int, block_size: int, null_block: int) -> None:
-        """Write the rows of ``seqs`` (each decoding its token at ``num_computed_tokens``) and pad up to
-        ``rows`` with rows on the null block; start their copy to the device."""
+    def fill(self, seqs: list[Sequence], rows: int, block_size: int, null_block: int,
+             pending: list[int] | None = None) -> None:
+        """Write the rows of ``seqs`` (each decoding its token at ``num_computed_tokens``, or with
+        ``pending``, the token ``pending[i]`` sampled but not yet appended, at the position after) and pad
+        up to ``rows`` with rows on the null block; start their copy to the device."""
         if self._copied is not None:
             self._copied.synchronize()
         m, h, w = self.max_rows, self._np, self.max_blocks
-        n = len(seqs)
+        n, ahead = len(seqs), int(pending is not None)
         for i, s in enumerate(seqs):
-            pos = s.num_computed_tokens
+            pos = s.num_computed_tokens + ahead
             nb = pos // block_size + 1
-            h[i] = s.all_token_ids[pos]
+            h[i] = pending[i] if ahead else s.all_token_ids[pos]
             h[m + i] = pos
             h[2 * m + i] = s.block_ids[pos // block_size] * block_size + pos % block_size
             h[3 * m + i] = pos + 1
@@ -118,11 +120,13 @@ class CudaDecoder:
     def can_run(self, num_rows: int) -> bool:
         return 0 < num_rows <= self.buckets[-1]
 
-    def logits(self, seqs: list[Sequence]) -> torch.Tensor:
-        """[len(seqs), vocab] float32 logits of each sequence's next token (its K/V written)."""
+    def logits(self, seqs: list[Sequence], pending: list[int] | None = None) -> torch.Tensor:
+        """[len(seqs), vocab] float32 logits of each sequence's next token (its K/V written); with
+        ``pending``, of the token after ``pending[i]``, sampled but not yet appended (``DecodeInputs.fill``).
+        The work is queued on the device, not waited for."""
         n = len(seqs)
         rows = next(b for b in self.buckets if b >= n) if self.graphs_off is None else n
-        self.inputs.fill(seqs, rows, self.block_size, self.null_block)
+        self.inputs.fill(seqs, rows, self.block_size, self.null_block, pending)
         graph = None if self.graphs_off is not None else self.graphs.get(rows) or self._capture(rows)
         if graph is None:  # eager, from the same buffers (padded to the bucket if a capture just failed)
             return self._forward(rows, rows > n)[:n]

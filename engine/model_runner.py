@@ -177,7 +177,7 @@ class ModelRunner:
         """Run one step; return the sequences that sampled, their new tokens and logprobs. A step that
         holds ``fixed`` sequences runs under torch's deterministic algorithms, and only such a step."""
         with deterministic_algorithms(any(s.mode == FIXED for s, _ in scheduled)):
-            if self._is_decoder_step(scheduled):
+            if self.is_decoder_step(scheduled):
                 seqs = [s for s, _ in scheduled]
                 logits = self.decoder.logits(seqs)
             else:
@@ -190,7 +190,22 @@ class ModelRunner:
             tokens, logprobs = self._sample(logits, seqs)
             return seqs, tokens, logprobs
 
-    def _is_decoder_step(self, scheduled: list[tuple[Sequence, int]]) -> bool:
+    @torch.inference_mode()
+    def launch_ahead(self, seqs: list[Sequence], pending: list[int]) -> torch.Tensor:
+        """Queue the decoder's forward pass of the step after a sampled one whose tokens (``pending``,
+        one per sequence) are not yet appended: row i decodes ``pending[i]`` at position
+        ``num_computed_tokens + 1``. Returns the logits on the device, before the device computed them:
+        the host records the pending tokens meanwhile, then ``sample_ahead`` draws from them."""
+        return self.decoder.logits(seqs, pending)
+
+    @torch.inference_mode()
+    def sample_ahead(self, logits: torch.Tensor, rows: list[int], seqs: list[Sequence]
+                     ) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """Draw from the ``launch_ahead`` logits of ``rows`` (the sequences ``seqs`` that still run, the
+        pending tokens now appended: the draw's position, penalties and grammar see them)."""
+        return self._sample(logits if len(rows) == logits.shape[0] else logits[rows], seqs)
+
+    def is_decoder_step(self, scheduled: list[tuple[Sequence, int]]) -> bool:
         """Every row a ``fast`` sequence decoding its next token, and few enough for the decoder."""
         return (self.decoder is not None and self.decoder.can_run(len(scheduled))
                 and all(n == 1 and s.mode == FAST and s.num_computed_tokens + 1 == s.num_tokens
