@@ -68,10 +68,28 @@ def run_correctness(model_dir: Path, prompts: list[list[int]], args) -> dict:
     free_memory(args.device)
     engine = kvgate_engine(model_dir, args.device, "float32")
     ours = engine_greedy(engine, prompts, args.new_tokens)
+    seeded = _seeded(engine, prompts, args.new_tokens)
     del engine
     free_memory(args.device)
+    stepwise = kvgate_engine(model_dir, args.device, "float32", overlap_steps=False)
+    greedy = engine_greedy(stepwise, prompts, args.new_tokens)[0]
+    drawn = _seeded(stepwise, prompts, args.new_tokens)
+    overlap = {"prompts": len(prompts),
+               "greedy_exact": sum(a == b for a, b in zip(greedy, ours[0], strict=True)),
+               "seeded_exact": sum(a == b for a, b in zip(drawn, seeded, strict=True))}
+    del stepwise
+    free_memory(args.device)
     return {"dtype": "float32", "new_tokens": args.new_tokens, "prompt_lens": [len(p) for p in prompts],
-            **agreement(ours, theirs), "hf": theirs}
+            **agreement(ours, theirs), "overlap_vs_stepwise": overlap, "hf": theirs}
+
+
+def _seeded(engine, prompts: list[list[int]], max_new: int) -> list[list[int]]:
+    """Seeded draws (temperature 0.8, top-p 0.9), every prompt its own seed, all in one batch."""
+    from engine import SamplingParams
+
+    params = [SamplingParams(temperature=0.8, top_p=0.9, max_tokens=max_new, seed=i, ignore_eos=True)
+              for i in range(len(prompts))]
+    return [o.outputs[0].token_ids for o in engine.generate(prompts, params)]
 
 
 def run_default_modes(model_dir: Path, prompts: list[list[int]], hf: tuple, args) -> dict:

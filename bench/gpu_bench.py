@@ -37,14 +37,15 @@ from bench.workload import BenchRequest, percentile, standard_workload
 
 
 def run_kvgate_throughput(model_dir: Path, reqs: list[BenchRequest], args, cuda_graphs: bool = True,
-                          kv_cache_dtype: str = "auto") -> dict:
+                          kv_cache_dtype: str = "auto", overlap: bool = True) -> dict:
     """The workload submitted at once to the engine (bfloat16), greedy, exactly max_new_tokens each;
-    decode steps from CUDA graphs unless ``cuda_graphs`` is False."""
+    decode steps from CUDA graphs unless ``cuda_graphs`` is False, each recorded while the device runs
+    the next unless ``overlap`` is False."""
     from engine import SamplingParams
 
     engine = kvgate_engine(model_dir, args.device, args.dtype, max_num_seqs=max(64, len(reqs)),
                            max_num_batched_tokens=args.max_batched_tokens, enable_prefix_caching=False,
-                           cuda_graphs=cuda_graphs, kv_cache_dtype=kv_cache_dtype)
+                           cuda_graphs=cuda_graphs, kv_cache_dtype=kv_cache_dtype, overlap_steps=overlap)
     # Warm-up over the workload's own shapes (prefill chunks, mixed and decode steps of every size), so
     # that Triton compiles its kernels' specializations here and not inside the timed run (a one-request
     # warm-up left them there: the median time to first token was 3.8 s instead of 0.2 s).
@@ -62,13 +63,14 @@ def run_kvgate_throughput(model_dir: Path, reqs: list[BenchRequest], args, cuda_
     gen = sum(r.max_new_tokens for r in reqs)
     decoder = engine.runner.decoder
     kv = "" if kv_cache_dtype == "auto" else f", {kv_cache_dtype} KV cache"
-    row = {"peer": f"kvgate ({args.dtype}{kv}{'' if cuda_graphs else ', no CUDA graphs'})",
+    ways = ("" if cuda_graphs else ", no CUDA graphs") + ("" if overlap else ", no overlapped steps")
+    row = {"peer": f"kvgate ({args.dtype}{kv}{ways})",
            "requests": len(reqs),
            "generated_tokens": gen, "wall_s": wall, "tokens_per_s": gen / wall,
            "ttft_p50_s": percentile(ttfts, 50), "steps": engine.stats().num_steps,
            "max_num_batched_tokens": args.max_batched_tokens, "peak_gpu_mib": peak_gpu_mib(args.device),
            "graph_buckets": sorted(decoder.graphs) if decoder else None,
-           "graphs_off": decoder.graphs_off if decoder else "no CUDA decoder"}
+           "graphs_off": decoder.graphs_off if decoder else "no CUDA decoder", "overlap_steps": overlap}
     del engine
     free_memory(args.device)
     return row
@@ -138,9 +140,15 @@ def _prepare(args, report: dict):
     """The random checkpoint, its shape in the report, the agreement prompts and the workload."""
     from engine.loader import load_model_config, load_tokenizer
 
-    tmp = Path(tempfile.mkdtemp(prefix="kvgate-gpu-"))
-    model_dir = make_random_model(Path(args.model_dir) if args.model_dir else default_source(), tmp / "m",
-                                  args.arch, args.seed, init_device=args.device)
+    source = Path(args.model_dir) if args.model_dir else default_source()
+    if args.weights == "trained":  # the checkpoint as it is (a GGUF converted once, like `kvgate serve`)
+        from engine.loader import resolve_model_dir
+
+        model_dir = source = resolve_model_dir(args.model_dir)
+    else:
+        model_dir = make_random_model(source, Path(tempfile.mkdtemp(prefix="kvgate-gpu-")) / "m", args.arch,
+                                      args.seed, init_device=args.device)
+    args.source_dir = source  # config and tokenizer of the extra architectures
     mc = load_model_config(model_dir)
     report["model"] = {"layers": mc.num_layers, "hidden": mc.hidden_size, "heads": mc.num_heads,
                        "kv_heads": mc.num_kv_heads, "head_dim": mc.head_dim}
@@ -153,8 +161,10 @@ def run(args) -> dict:
     """Every section of ``args.sections`` in turn, then the extra architectures while time is left."""
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    report: dict = {"environment": environment(args.device), "weights": "random (seeded), not trained",
-                    "architecture": args.arch}
+    trained = args.weights == "trained"
+    report: dict = {"environment": environment(args.device),
+                    "weights": f"trained ({args.model_dir or 'the default model'})" if trained
+                    else "random (seeded), not trained", "architecture": "trained" if trained else args.arch}
     model_dir, mc, prompts, reqs = _prepare(args, report)
     corr = None
     if "correctness" in args.sections:
@@ -163,6 +173,8 @@ def run(args) -> dict:
         _section(report, "throughput_kvgate", out, run_kvgate_throughput, model_dir, reqs, args)
         _section(report, "throughput_hf", out, run_hf_throughput, model_dir, reqs, args)
         if args.device == "cuda":
+            _section(report, "throughput_kvgate_no_overlap", out, run_kvgate_throughput, model_dir, reqs,
+                     args, True, "auto", False)
             _section(report, "throughput_kvgate_eager", out, run_kvgate_throughput, model_dir, reqs, args,
                      False)
     if "attention" in args.sections:
@@ -198,15 +210,21 @@ def run_large_batch(model_dir: Path, args, num_requests: int = 256) -> dict:
 
 
 def run_arch_throughput(arch: str, args) -> dict:
-    """Throughput of kvgate and transformers on another architecture's random weights (saved bfloat16)."""
+    """Throughput of kvgate and transformers on another architecture's random weights (saved bfloat16),
+    and with the correctness section, their float32 greedy agreement on those weights."""
     from engine.loader import load_tokenizer
 
-    source = Path(args.model_dir) if args.model_dir else default_source()
-    model_dir = make_random_model(source, Path(tempfile.mkdtemp(prefix=f"kvgate-{arch}-")), arch, args.seed,
-                                  torch.bfloat16, args.device)
-    reqs = standard_workload(load_tokenizer(model_dir), args.num_requests, args.seed)
-    return {"kvgate": run_kvgate_throughput(model_dir, reqs, args),
-            "hf": run_hf_throughput(model_dir, reqs, args)}
+    model_dir = make_random_model(args.source_dir, Path(tempfile.mkdtemp(prefix=f"kvgate-{arch}-")), arch,
+                                  args.seed, torch.bfloat16, args.device)
+    tokenizer = load_tokenizer(model_dir)
+    reqs = standard_workload(tokenizer, args.num_requests, args.seed)
+    row = {"kvgate": run_kvgate_throughput(model_dir, reqs, args),
+           "hf": run_hf_throughput(model_dir, reqs, args)}
+    if "correctness" in args.sections:
+        prompts = [r.prompt_ids
+                   for r in standard_workload(tokenizer, args.prompts, args.seed + 1, (64, 400))]
+        row["correctness"] = run_correctness(model_dir, prompts, args)
+    return row
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -215,6 +233,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model-dir", help="Directory with the default model's config.json and tokenizer files "
                                        "(default: the prepared default model)")
     p.add_argument("--arch", default="default", choices=sorted(ARCHITECTURES))
+    p.add_argument("--weights", default="random", choices=("random", "trained"),
+                   help="random: seeded weights of --arch over --model-dir's config (nothing to download); "
+                        "trained: --model-dir (a model directory or a .gguf) or the default model as it is")
     p.add_argument("--tiny", action="store_true", help="Tiny architecture and workload: a quick dry run")
     p.add_argument("--extra-archs", default="", help="Comma list of more architectures to time (e.g. 1b)")
     p.add_argument("--num-requests", type=int, default=64)

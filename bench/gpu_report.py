@@ -13,7 +13,7 @@ def _err(section) -> str | None:
 
 def _throughput_rows(report: dict) -> list[str]:
     rows = ["| architecture | peer | tok/s | wall (s) | peak GPU MiB |", "|---|---|---:|---:|---:|"]
-    main = ("throughput_kvgate", "throughput_hf", "throughput_kvgate_eager")
+    main = ("throughput_kvgate", "throughput_hf", "throughput_kvgate_no_overlap", "throughput_kvgate_eager")
     pairs = [(report.get("architecture"), report.get(key)) for key in main if key in report]
     for key, section in report.items():
         if key.startswith("throughput_") and key not in main:
@@ -80,12 +80,21 @@ def format_table(report: dict) -> str:
         lines.append(f"agreement: {_err(corr)}")
     else:
         lines.append(f"greedy agreement with transformers (float32): {_agreement(corr)}")
+        if "overlap_vs_stepwise" in corr:
+            o = corr["overlap_vs_stepwise"]
+            lines.append(f"overlapped steps against stepping in turn (float32): greedy {o['greedy_exact']}/"
+                         f"{o['prompts']} prompts identical, seeded draws {o['seeded_exact']}/{o['prompts']}")
     modes = report.get("default_modes")
     if modes is not None:
         bi = modes.get("batch_invariant_vs_hf")
         lines.append(f"default modes: {_err(modes) or modes.get('modes')}"
                      + (f"; batch_invariant vs transformers: {_agreement(bi)}" if bi else "")
                      + (f"; batch_invariant off: {modes['bi_error']}" if modes.get("bi_error") else ""))
+    for key, section in report.items():  # the extra architectures'
+        arch_corr = section.get("correctness") if key.startswith("throughput_") else None
+        if arch_corr and not _err(arch_corr):
+            lines.append(f"greedy agreement with transformers on {key.removeprefix('throughput_')} "
+                         f"(float32): {_agreement(arch_corr)}")
     tables = (_throughput_rows(report) + [""] + _attention_rows(report.get("attention")) + [""]
               + _prefill_rows(report.get("prefill")) + [""] + kv_rows(report.get("kv_cache")))
     return "\n".join(lines + [""] + tables)

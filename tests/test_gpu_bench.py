@@ -47,3 +47,17 @@ def test_attention_bench_runs_on_the_cpu_and_agrees_with_sdpa():
 def test_without_cuda_it_exits_2_with_a_message(capsys):
     assert main(["--device", "cuda"]) == 2
     assert "no CUDA device" in capsys.readouterr().err
+
+
+def test_the_table_reports_overlap_agreement_and_each_architecture_s_agreement():
+    agree = {"prompts": 2, "exact": 2, "token_agreement": 1.0, "max_logprob_gap": 1e-5,
+             "rows": [{"hf_margin_at_divergence": None}] * 2}
+    report = {"environment": {"device": "cuda", "name": "GPU"}, "architecture": "trained",
+              "correctness": {**agree,
+                              "overlap_vs_stepwise": {"prompts": 2, "greedy_exact": 2, "seeded_exact": 1}},
+              "throughput_1b": {"kvgate": {"peer": "kvgate", "tokens_per_s": 10.0, "wall_s": 1.0},
+                                "hf": {"peer": "hf", "tokens_per_s": 1.0, "wall_s": 10.0},
+                                "correctness": {**agree, "exact": 1}}}
+    table = format_table(report)
+    assert "greedy 2/2 prompts identical, seeded draws 1/2" in table
+    assert "greedy agreement with transformers on 1b (float32): 1/2 prompts exact" in table
