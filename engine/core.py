@@ -88,6 +88,7 @@ class LLMEngine:
         self.runner.tile_plan = self.determinism.tile_plan
         mc = self.loaded.model_config
         self._held: _Sampled | None = None  # a decode step drawn, recorded by the next call
+        self._overlap_off: str | None = None  # why decode steps no longer launch ahead (``_launch_ahead``)
         self.grammars = GrammarQueue(GrammarCompiler(self.tokenizer, vocab_size=mc.vocab_size,
                                                      eos_token_ids=self.loaded.eos_token_ids))
 
@@ -284,7 +285,8 @@ class LLMEngine:
         nothing: its row is dropped before the draw, and its slot lies past anything cached or read.
         Returns the rows, their logits (still being computed) and the launch time; None to record
         ``sampled`` alone."""
-        if not (sampled.is_decode and self.config.overlap_steps and self.runner.decoder is not None):
+        if not (sampled.is_decode and self.config.overlap_steps and self.runner.decoder is not None
+                and self._overlap_off is None):
             return None
         if sampled.failed or len(self.grammars):
             return None
@@ -303,8 +305,9 @@ class LLMEngine:
         try:
             logits = self.runner.launch_ahead(seqs, [t for _, t in rows])
         except Exception as e:  # noqa: BLE001  (the next step runs the usual way and rewrites these slots)
-            logger.warning("a decode step launched ahead failed (%s: %s); stepping without overlap",
-                           type(e).__name__, e)
+            self._overlap_off = f"{type(e).__name__}: {e}"  # the device's fault, not a request's: once
+            logger.warning("launching a decode step ahead failed (%s); stepping in turn from now on",
+                           self._overlap_off)
             return None
         return seqs, logits, t0
 
