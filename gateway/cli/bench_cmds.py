@@ -234,20 +234,27 @@ def bench_fairness(
 @bench_app.command("gpu")
 def bench_gpu(
     device: str = typer.Option("cuda", help="cuda, or cpu for a dry run"),
-    model_dir: str = typer.Option(None, help="Directory with the default model's config.json and "
-                                             "tokenizer (default: the prepared default model; its weights "
-                                             "are not read)"),
+    model_dir: str = typer.Option(None, help="With random weights: a directory with the default model's "
+                                             "config.json and tokenizer (default: the prepared default "
+                                             "model; its weights are not read). With trained weights: the "
+                                             "model directory or .gguf to run"),
+    weights: str = typer.Option("random", help="random: seeded weights of the default architecture "
+                                               "(nothing to download); trained: the checkpoint itself"),
+    sections: str = typer.Option("", help="Comma list of sections (default: all): correctness, "
+                                          "throughput, attention, default_modes, kv_cache, "
+                                          "throughput_256, prefill"),
     extra_archs: str = typer.Option("", help="Comma list of more random architectures to time (e.g. 1b)"),
     num_requests: int = typer.Option(64, help="Requests in the standard workload"),
     tiny: bool = typer.Option(False, help="A two-layer model and a small workload: a quick dry run"),
     out: str = typer.Option("bench-results/gpu.json", help="Where to write the JSON results"),
     seed: int = typer.Option(0),
 ) -> None:
-    """The engine on a GPU, on seeded random weights of the default architecture: greedy agreement with
-    transformers (float32), throughput beside transformers' batched generate, decode attention bandwidth.
-    Exits 2 without a CUDA device."""
+    """The engine on a GPU, on seeded random weights of the default architecture or (--weights trained)
+    the model itself: greedy agreement with transformers (float32), throughput beside transformers'
+    batched generate, decode attention bandwidth, 8-bit KV caches. Exits 2 without a CUDA device."""
     from bench.gpu_bench import main
 
     argv = ["--device", device, "--extra-archs", extra_archs, "--num-requests", str(num_requests),
-            "--out", out, "--seed", str(seed)] + (["--model-dir", model_dir] if model_dir else [])
+            "--out", out, "--seed", str(seed), "--weights", weights]
+    argv += (["--model-dir", model_dir] if model_dir else []) + (["--sections", sections] if sections else [])
     raise typer.Exit(main(argv + (["--tiny"] if tiny else [])))
