@@ -20,6 +20,7 @@ import torch
 
 from bench.gpu_agreement import run_correctness, run_default_modes
 from bench.gpu_attention import ATTENTION_SIZES, run_attention_bench, run_prefill_bench
+from bench.gpu_invariance import run_bi_invariance
 from bench.gpu_kv import run_kv_quant
 from bench.gpu_model import (
     ARCHITECTURES,
@@ -132,8 +133,8 @@ def environment(device: str) -> dict:
     return env
 
 
-SECTIONS = ("correctness", "throughput", "attention", "default_modes", "kv_cache", "throughput_256",
-            "prefill")
+SECTIONS = ("correctness", "throughput", "attention", "default_modes", "bi_invariance", "kv_cache",
+            "throughput_256", "prefill")
 
 
 def _prepare(args, report: dict):
@@ -186,6 +187,8 @@ def run(args) -> dict:
                  (mc.num_heads, mc.num_kv_heads, mc.head_dim))
     if corr is not None and "default_modes" in args.sections:
         _section(report, "default_modes", out, run_default_modes, model_dir, prompts, corr["hf"], args)
+    if "bi_invariance" in args.sections:
+        _section(report, "bi_invariance", out, run_bi_invariance, model_dir, prompts[:4], args)
     if "kv_cache" in args.sections:
         _section(report, "kv_cache", out, run_kv_quant, model_dir, prompts, reqs, args, run_kvgate_throughput)
     if "throughput_256" in args.sections:

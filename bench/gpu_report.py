@@ -90,6 +90,11 @@ def format_table(report: dict) -> str:
         lines.append(f"default modes: {_err(modes) or modes.get('modes')}"
                      + (f"; batch_invariant vs transformers: {_agreement(bi)}" if bi else "")
                      + (f"; batch_invariant off: {modes['bi_error']}" if modes.get("bi_error") else ""))
+    inv = report.get("bi_invariance")
+    if inv is not None:
+        lines.append(f"batch_invariant alone vs under load and chunked ({inv.get('dtype')}): " + (
+            _err(inv) or f"{inv['identical']}/{inv['runs']} runs of {inv['targets']} targets identical "
+                         f"bit for bit, {inv['blocks_held_after']} blocks held after"))
     for key, section in report.items():  # the extra architectures'
         arch_corr = section.get("correctness") if key.startswith("throughput_") else None
         if arch_corr and not _err(arch_corr):

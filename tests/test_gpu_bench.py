@@ -58,6 +58,9 @@ def test_the_table_reports_overlap_agreement_and_each_architecture_s_agreement()
               "throughput_1b": {"kvgate": {"peer": "kvgate", "tokens_per_s": 10.0, "wall_s": 1.0},
                                 "hf": {"peer": "hf", "tokens_per_s": 1.0, "wall_s": 10.0},
                                 "correctness": {**agree, "exact": 1}}}
+    report["bi_invariance"] = {"dtype": "bfloat16", "targets": 2, "runs": 10, "identical": 9,
+                               "blocks_held_after": 0}
     table = format_table(report)
+    assert "batch_invariant alone vs under load and chunked (bfloat16): 9/10 runs of 2 targets" in table
     assert "greedy 2/2 prompts identical, seeded draws 1/2" in table
     assert "greedy agreement with transformers on 1b (float32): 1/2 prompts exact" in table

@@ -241,7 +241,7 @@ def bench_gpu(
     weights: str = typer.Option("random", help="random: seeded weights of the default architecture "
                                                "(nothing to download); trained: the checkpoint itself"),
     sections: str = typer.Option("", help="Comma list of sections (default: all): correctness, "
-                                          "throughput, attention, default_modes, kv_cache, "
+                                          "throughput, attention, default_modes, bi_invariance, kv_cache, "
                                           "throughput_256, prefill"),
     extra_archs: str = typer.Option("", help="Comma list of more random architectures to time (e.g. 1b)"),
     num_requests: int = typer.Option(64, help="Requests in the standard workload"),

@@ -217,6 +217,21 @@ def test_triton_backend_is_batch_invariant_and_close_to_the_cpu_path(small_vocab
         assert abs(lp.logprob - theirs) < 1e-4
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernels compiled for a GPU")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_batch_invariant_bits_survive_any_batch_on_a_gpu(tiny_engine_factory, dtype):
+    """The harness of the CPU's invariance tests on CUDA: every layout, random load of every mode (fast
+    decode steps among them from CUDA graphs and overlapped), a forced preemption."""
+    def make(**layout):
+        return tiny_engine_factory(device="cuda", dtype=dtype, **layout)
+
+    prompt = random_prompt(random.Random(7), 90)
+    ref, seen = _invariance_trials(make, prompt, _greedy("batch_invariant"), 3)
+    seen.append(_forced_preemption(make, prompt, _greedy("batch_invariant")))
+    assert all(obs == ref for obs in seen)
+    assert ref.token_hash is not None
+
+
 def test_triton_backend_on_cpu_needs_the_interpreter(tiny_engine_factory, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     engine = tiny_engine_factory(invariant_backend="triton")
