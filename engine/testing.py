@@ -14,9 +14,10 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_m
 
 
 def make_tiny_model_dir(path: str | Path, arch: str = "llama", *, num_heads: int = 4, num_kv_heads: int = 2,
-                        seed: int = 0, cache_dir: str | None = None) -> Path:
+                        seed: int = 0, cache_dir: str | None = None,
+                        tokenizer_dir: str | Path | None = None) -> Path:
     """Write a tiny random ``arch`` (llama, mistral or qwen2) HF checkpoint with the default model's
-    tokenizer.
+    tokenizer (its files from ``tokenizer_dir`` where given, for a machine without the default model).
 
     The vocabulary is the real one (49152 tokens), so chat templates and token counts behave as in
     production; everything else is small: 2 layers, hidden 64.
@@ -25,7 +26,7 @@ def make_tiny_model_dir(path: str | Path, arch: str = "llama", *, num_heads: int
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    source = resolve_model_dir(None, cache_dir)
+    source = Path(tokenizer_dir) if tokenizer_dir else resolve_model_dir(None, cache_dir)
     common = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
                   max_position_embeddings=2048, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,

@@ -24,7 +24,10 @@ def default_model_dir():
 
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory):
-    return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-llama"), "llama")
+    # KVGATE_TEST_TOKENIZER_DIR: the default model's tokenizer files, where its package is not installed
+    # (scripts/gpu_checks.sh on a GPU machine)
+    return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-llama"), "llama",
+                               tokenizer_dir=os.environ.get("KVGATE_TEST_TOKENIZER_DIR"))
 
 
 @pytest.fixture(scope="session")
