@@ -80,7 +80,9 @@ def test_one_request_with_n_8_and_top_logprobs_20_is_answered(server: Served, mo
         assert c.post("/v1/chat/completions", json=_chat(model, max_tokens=4)).status_code == 200
 
 
-async def _stream(server: Served, key: str, body: dict) -> tuple[int, list[dict]]:
+async def _stream(server: Served, key: str, body: dict,
+                  started: list[str] | None = None) -> tuple[int, list[dict]]:
+    """A streamed chat's status and events; ``started`` gets an entry when its first event arrives."""
     async with httpx.AsyncClient(base_url=server.base, verify=str(server.ca), timeout=180,
                                  headers={"Authorization": f"Bearer {key}"}) as c:
         async with c.stream("POST", "/v1/chat/completions", json=body | {"stream": True}) as r:
@@ -88,6 +90,8 @@ async def _stream(server: Served, key: str, body: dict) -> tuple[int, list[dict]
             async for line in r.aiter_lines():
                 if line.startswith("data: ") and line != "data: [DONE]":
                     events.append(json.loads(line[6:]))
+                    if started is not None and len(events) == 1:
+                        started.append(key)
             return r.status_code, events
 
 
@@ -162,9 +166,10 @@ def test_an_engine_killed_under_load_fails_its_requests_cleanly_and_comes_back(s
         async with httpx.AsyncClient(base_url=server.base, verify=str(server.ca), timeout=120,
                                      headers={"Authorization": f"Bearer {key}"}) as c:
             wholes = [asyncio.ensure_future(c.post("/v1/chat/completions", json=body)) for _ in range(4)]
-            streams = [asyncio.ensure_future(_stream(server, key, body)) for _ in range(4)]
+            started: list[str] = []  # streams whose first event came: their 200 is sent
+            streams = [asyncio.ensure_future(_stream(server, key, body, started)) for _ in range(4)]
             deadline = time.monotonic() + 120
-            while _metric(server, "kvgate_engine_running_requests") < 8:
+            while _metric(server, "kvgate_engine_running_requests") < 8 or len(started) < 4:
                 assert time.monotonic() < deadline, "the eight requests never ran together"
                 await asyncio.sleep(0.05)
             os.kill(old_pid, signal.SIGKILL)
