@@ -8,9 +8,6 @@ import random
 import time
 import uuid
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
-
-import torch
 
 from engine.config import EngineConfig
 from engine.determinism import BATCH_INVARIANT
@@ -22,38 +19,20 @@ from engine.hashing import BlockHasher
 from engine.kv_cache_manager import KVCacheManager
 from engine.model_runner import ModelRunner
 from engine.outputs import RequestState
-from engine.request import (
-    RequestDelta,
-    RequestOutput,
-    RequestStatus,
-    SamplingParams,
-    Sequence,
-    TokenLogprobs,
-)
+from engine.overlap import SampledStep, StepOverlap
+from engine.request import RequestDelta, RequestOutput, RequestStatus, SamplingParams, Sequence
 from engine.request_checks import RESERVED_NS, check_add_args, fitted_length, tokenize_prompt
 from engine.scheduler import Scheduler
 from engine.setup import LoadedModel, load_model, setup_determinism
 from engine.stats import EngineStats, StatsTracker
 from engine.stream_output import OutputAccumulator
+from engine.whole_outputs import WholeOutputs
 
 logger = logging.getLogger("kvgate.engine")
 _GRAMMAR_WAIT_S = 0.02  # with nothing to run, how long a step waits for a grammar to compile
 
 
-@dataclass(slots=True)
-class _Sampled:
-    """A forward pass run and its tokens drawn, not yet recorded (appended, checked for stops)."""
-
-    scheduled: list[tuple[Sequence, int]]
-    seqs: list[Sequence]  # the rows that drew a token, in ``tokens`` order
-    tokens: list[int]
-    logprobs: list[TokenLogprobs | None]
-    failed: dict[str, BaseException]
-    seconds: float  # from the launch to the drawn tokens
-    is_decode: bool  # a decode-only ``fast`` step of the CUDA decoder: the next may be launched ahead
-
-
-class LLMEngine:
+class LLMEngine(WholeOutputs):
     """Paged-KV inference engine: continuous batching, chunked prefill, preemption, prefix cache.
 
     Example:
@@ -87,8 +66,8 @@ class LLMEngine:
         self.determinism = setup_determinism(config, self.loaded)
         self.runner.tile_plan = self.determinism.tile_plan
         mc = self.loaded.model_config
-        self._held: _Sampled | None = None  # a decode step drawn, recorded by the next call
-        self._overlap_off: str | None = None  # why decode steps no longer launch ahead (``_launch_ahead``)
+        self.overlap = StepOverlap(self.runner, self.scheduler, config.overlap_steps)
+        self._held: SampledStep | None = None  # a decode step drawn ahead, recorded by the next call
         self.grammars = GrammarQueue(GrammarCompiler(self.tokenizer, vocab_size=mc.vocab_size,
                                                      eos_token_ids=self.loaded.eos_token_ids))
 
@@ -196,31 +175,12 @@ class LLMEngine:
             self.runner.zero_blocks(self.kv.pool.blocks_to_zero)
             self.kv.pool.blocks_to_zero.clear()
 
-    def step(self) -> list[RequestOutput]:
-        """Schedule, run one forward pass, sample, and return outputs of requests that progressed (raises
-        as ``step_deltas`` does, with the other requests' outputs as the ``StepError``'s ``deltas``)."""
-        try:
-            deltas = self.step_deltas()
-        except StepError as e:
-            e.deltas = [self._assemble(delta) for delta in e.deltas]
-            raise
-        return [self._assemble(delta) for delta in deltas]
-
-    def _assemble(self, delta: RequestDelta) -> RequestOutput:
-        acc = self._accumulators.get(delta.request_id)
-        if acc is None:
-            acc = self._accumulators[delta.request_id] = OutputAccumulator(delta.request_id)
-        acc.add(delta)
-        if delta.finished:
-            del self._accumulators[delta.request_id]
-        return acc.snapshot()
-
     def step_deltas(self) -> list[RequestDelta]:
         """``step``, returning what each progressed request produced in this step only (what the engine
         process sends: its size does not grow with the requests' lengths).
 
         On CUDA, with ``overlap_steps``, a decode step's sampled tokens may be recorded one call later,
-        while the device runs the next decode step (``_launch_ahead``): the deltas a call returns are then
+        while the device runs the next decode step (``engine.overlap``): the deltas a call returns are then
         the previous forward pass's, and every call still returns one pass's worth.
 
         Raises:
@@ -241,18 +201,18 @@ class LLMEngine:
             t0 = time.perf_counter()
             is_decode = self.runner.is_decoder_step(sched.scheduled)
             seqs, tokens, logprobs = self.runner.execute_isolating(sched.scheduled, failed)
-            sampled = _Sampled(sched.scheduled, seqs, tokens, logprobs, failed,
-                               time.perf_counter() - t0, is_decode)
-        ahead = self._launch_ahead(sampled)  # the device runs the next step while the host records this one
+            sampled = SampledStep(sched.scheduled, seqs, tokens, logprobs, failed,
+                                  time.perf_counter() - t0, is_decode)
+        ahead = self.overlap.launch(sampled, len(self.grammars) > 0)  # runs while this one is recorded
         deltas, errors = self._record(sampled)
         if ahead is not None:
-            self._held = self._sample_ahead(*ahead)
+            self._held = self.overlap.draw(ahead)
         if errors:  # total: every request the step ran failed (a grammar's compile error is no fault of it)
             ran = {seq.request_id for seq, _ in sampled.scheduled}
             raise StepError(deltas, errors, is_total=ran <= errors.keys())
         return deltas
 
-    def _record(self, sampled: _Sampled) -> tuple[list[RequestDelta], dict[str, BaseException]]:
+    def _record(self, sampled: SampledStep) -> tuple[list[RequestDelta], dict[str, BaseException]]:
         """Append a forward pass's sampled tokens (ending sequences that stop), count the step; the
         deltas of the requests it advanced and the errors of those it failed."""
         failed = sampled.failed
@@ -276,56 +236,6 @@ class LLMEngine:
         self.stats_tracker.record_step(sum(n for _, n in sampled.scheduled), len(sampled.tokens),
                                        sampled.seconds)
         return deltas, errors
-
-    def _launch_ahead(self, sampled: _Sampled) -> tuple[list[Sequence], torch.Tensor, float] | None:
-        """With ``overlap_steps`` on CUDA: queue the forward pass of the decode step that follows
-        ``sampled``, before its tokens are recorded, when that step is the one the scheduler would make
-        (nothing waits or compiles, every running sequence decoded in ``sampled``, all ``fast``, blocks
-        free without preempting). A sequence that a recorded token then stops has computed one token for
-        nothing: its row is dropped before the draw, and its slot lies past anything cached or read.
-        Returns the rows, their logits (still being computed) and the launch time; None to record
-        ``sampled`` alone."""
-        if not (sampled.is_decode and self.config.overlap_steps and self.runner.decoder is not None
-                and self._overlap_off is None):
-            return None
-        if sampled.failed or len(self.grammars):
-            return None
-        running = [s for s in sampled.seqs if s.status is RequestStatus.RUNNING]
-        if len(running) != len(self.scheduler.running):
-            return None  # another sequence (a prefill, say) needs the next step
-        # the pending token makes num_tokens + 1; a sequence that reaches max_len with it ends there
-        rows = [(s, t) for s, t in zip(sampled.seqs, sampled.tokens, strict=True)
-                if s.status is RequestStatus.RUNNING and s.num_tokens + 1 < s.max_len]
-        if not rows or not self.runner.decoder.can_run(len(rows)):
-            return None
-        seqs = [s for s, _ in rows]
-        if self.scheduler.schedule_ahead(seqs) is None:
-            return None
-        t0 = time.perf_counter()
-        try:
-            logits = self.runner.launch_ahead(seqs, [t for _, t in rows])
-        except Exception as e:  # noqa: BLE001  (the next step runs the usual way and rewrites these slots)
-            self._overlap_off = f"{type(e).__name__}: {e}"  # the device's fault, not a request's: once
-            logger.warning("launching a decode step ahead failed (%s); stepping in turn from now on",
-                           self._overlap_off)
-            return None
-        return seqs, logits, t0
-
-    def _sample_ahead(self, seqs: list[Sequence], logits: torch.Tensor, t0: float) -> _Sampled | None:
-        """Draw the launched-ahead step's tokens for the sequences still running (the previous tokens
-        are recorded now); held for the next call to record. None drops the step: its sequences are as
-        before it (its K/V are rewritten, with the same values, by the step that runs in its place)."""
-        live = [i for i, s in enumerate(seqs) if s.status is RequestStatus.RUNNING]
-        if not live:
-            return None
-        run = [seqs[i] for i in live]
-        try:
-            tokens, logprobs = self.runner.sample_ahead(logits, live, run)
-        except Exception as e:  # noqa: BLE001  (the usual step isolates a request's fault)
-            logger.warning("sampling a decode step launched ahead failed (%s: %s); stepping without "
-                           "overlap", type(e).__name__, e)
-            return None
-        return _Sampled([(s, 1) for s in run], run, tokens, logprobs, {}, time.perf_counter() - t0, True)
 
     def _advance(self, scheduled: list[tuple[Sequence, int]], failed: dict[str, BaseException]) -> None:
         """Count each sequence's newly computed tokens, and cache the blocks they filled."""
@@ -367,29 +277,6 @@ class LLMEngine:
             self._accumulators.pop(request_id, None)
         return {rid: e if isinstance(e, InvalidRequestError) else RequestFailedError(
             f"request {rid} failed in an engine step ({type(e).__name__}: {e})") for rid, e in failed.items()}
-
-    def generate(self, prompts: str | Seq[int] | list,
-                 params: SamplingParams | list[SamplingParams] | None = None,
-                 ) -> list[RequestOutput]:
-        """Run prompts (strings or token-id lists) to completion; one result per prompt, in order.
-
-        Args:
-            prompts: One prompt or a list of prompts.
-            params: One ``SamplingParams`` for all prompts, or a list with one per prompt.
-        """
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
-                                        and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        params_list = params if isinstance(params, list) else [params] * len(prompts)
-        if len(params_list) != len(prompts):
-            raise InvalidRequestError("params must be one SamplingParams or a list with one per prompt")
-        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params_list, strict=True)]
-        final: dict[str, RequestOutput] = {}
-        while len(final) < len(ids):
-            for out in self.step():
-                if out.finished:
-                    final[out.request_id] = out
-        return [final[i] for i in ids]
 
     def stats(self, *, namespaces: bool = True) -> EngineStats:
         """A snapshot of queue, KV and throughput figures; ``namespaces``: with the per-namespace

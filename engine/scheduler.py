@@ -123,26 +123,19 @@ class Scheduler:
             self._schedule_waiting(out)
         return out
 
-    def schedule_ahead(self, seqs: list[Sequence]) -> SchedulerOutput | None:
-        """The next decode step of ``seqs`` while their last sampled token is not yet appended (the
-        engine runs it on the GPU while it records that token): each computes one token at position
-        ``num_computed_tokens + 1``. None, placing nothing, unless nothing waits (the caller sees to it that
-        ``seqs`` are every running sequence that goes on) and each sequence gets its block without
-        preempting (blocks taken before a refusal stay with their sequences, which fill them next).
-        """
+    def schedule_ahead(self, seqs: list[Sequence]) -> bool:
+        """Place ``seqs``' decode step after one whose tokens are not yet appended (``engine.overlap``);
+        False unless nothing waits and each gets a block without preempting (blocks taken stay: used next)."""
         if self.num_waiting or len(seqs) > self.max_num_batched_tokens:
-            return None
-        for seq in seqs:
-            if seq.status is not RequestStatus.RUNNING or self._over_cap(seq, 2):
-                return None
-            if not self.kv.allocate_slots(seq, 2):  # the pending token's slot and the new one
-                return None
+            return False
+        for seq in seqs:  # two slots: the pending token's and the new one's
+            if (seq.status is not RequestStatus.RUNNING or self._over_cap(seq, 2)
+                    or not self.kv.allocate_slots(seq, 2)):
+                return False
         self.num_steps += 1
-        out = SchedulerOutput()
-        self._budget = self.max_num_batched_tokens
         for seq in seqs:
-            self._place(seq, 1, out)
-        return out
+            self.ledger.charge(seq.tenant, 1)
+        return True
 
     def _running_order(self) -> list[Sequence]:
         if self.policy != "fair":
