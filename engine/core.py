@@ -217,11 +217,11 @@ class LLMEngine(WholeOutputs):
         deltas of the requests it advanced and the errors of those it failed."""
         failed = sampled.failed
         now = time.monotonic()
-        scheduled = [(s, n) for s, n in sampled.scheduled if s.request_id in self.requests]  # not aborted
-        self._advance(scheduled, failed)
+        # a held step's sequence may have been aborted since it was drawn (its id may even be reused)
+        self._advance([(s, n) for s, n in sampled.scheduled if not s.is_finished], failed)
         touched: dict[str, RequestState] = {}
         for seq, token, lp in zip(sampled.seqs, sampled.tokens, sampled.logprobs, strict=True):
-            if seq.request_id in failed or seq.request_id not in self.requests:
+            if seq.request_id in failed or seq.is_finished:
                 continue
             state = touched[seq.request_id] = self.requests[seq.request_id]
             try:

@@ -14,13 +14,18 @@ from tests.engine.test_cuda_decode import _with_decoder
 _PROMPTS = [[1, 2, 3, 4, 5], list(range(7, 40)), [9] * 17, [11, 12, 13]]
 
 
+def _spy_launches(llm, seen=lambda seqs: len(seqs)) -> list:
+    """What ``seen`` says at each step launched ahead (by default its row count)."""
+    launched: list = []
+    launch = llm.runner.launch_ahead
+    llm.runner.launch_ahead = lambda seqs, pending: launched.append(seen(seqs)) or launch(seqs, pending)
+    return launched
+
+
 def _engine(factory, overlap: bool, **config):
     llm = factory(determinism_modes=("fast",), num_kv_blocks=96, overlap_steps=overlap, **config)
     _with_decoder(llm, [])
-    launched: list[int] = []
-    launch = llm.runner.launch_ahead
-    llm.runner.launch_ahead = lambda seqs, pending: launched.append(len(seqs)) or launch(seqs, pending)
-    return llm, launched
+    return llm, _spy_launches(llm)
 
 
 def _run(llm, script: dict[int, list], max_calls: int = 400) -> dict[str, object]:
@@ -116,10 +121,7 @@ def test_no_step_runs_ahead_of_waiting_requests(tiny_engine_factory):
     ref, _ = _engine(tiny_engine_factory, overlap=False, max_num_seqs=2)
     expected = _run(ref, script)
     llm, launched = _engine(tiny_engine_factory, overlap=True, max_num_seqs=2)
-    seen_waiting = []
-    launch_ahead = llm.runner.launch_ahead
-    llm.runner.launch_ahead = (lambda s, p: seen_waiting.append(llm.scheduler.num_waiting)
-                               or launch_ahead(s, p))
+    seen_waiting = _spy_launches(llm, lambda seqs: llm.scheduler.num_waiting)
     got = _run(llm, script)
     assert launched and not any(seen_waiting)
     for name in got:
@@ -160,11 +162,27 @@ def test_overlapped_graph_steps_on_a_gpu(tiny_engine_factory):
                   for i, (name, p) in enumerate(params.items())]}
     expected = _run(ref, script)
     llm = tiny_engine_factory(**config)
-    launched: list[int] = []
-    launch = llm.runner.launch_ahead
-    llm.runner.launch_ahead = lambda seqs, pending: launched.append(len(seqs)) or launch(seqs, pending)
+    launched = _spy_launches(llm)
     got = _run(llm, script)
     assert llm.runner.decoder.graphs_off is None and len(launched) > 12
     for name in got:
         _compare(got[name], expected[name])
+    _assert_clean(llm)
+
+
+def test_an_id_aborted_while_its_step_is_held_and_used_again_gets_only_its_own_tokens(tiny_engine_factory):
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    script = {0: [("add", "a", _PROMPTS[0], params), ("add", "b", _PROMPTS[1], params)],
+              4: [("abort", "a"), ("add", "a", _PROMPTS[2], params)]}
+    ref, _ = _engine(tiny_engine_factory, overlap=False)
+    expected = _run(ref, script)
+    llm, launched = _engine(tiny_engine_factory, overlap=True)
+    held = []
+    step = llm.step
+    llm.step = lambda: held.append(llm._held is not None) or step()
+    got = _run(llm, script)
+    assert held[4] and launched  # the abort came while a drawn step of "a" was held
+    assert got["a"].prompt_token_ids == _PROMPTS[2] and len(got["a"].token_ids) == 8
+    _compare(got["a"], expected["a"])  # text too: the held token must not reach the new request's text
+    _compare(got["b"], expected["b"])
     _assert_clean(llm)
