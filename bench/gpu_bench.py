@@ -138,15 +138,15 @@ SECTIONS = ("correctness", "throughput", "attention", "default_modes", "bi_invar
 
 
 def _prepare(args, report: dict):
-    """The random checkpoint, its shape in the report, the agreement prompts and the workload."""
+    """The checkpoint (random or trained), its shape in the report, the agreement prompts and the workload."""
     from engine.loader import load_model_config, load_tokenizer
 
-    source = Path(args.model_dir) if args.model_dir else default_source()
     if args.weights == "trained":  # the checkpoint as it is (a GGUF converted once, like `kvgate serve`)
         from engine.loader import resolve_model_dir
 
         model_dir = source = resolve_model_dir(args.model_dir)
     else:
+        source = Path(args.model_dir) if args.model_dir else default_source()
         model_dir = make_random_model(source, Path(tempfile.mkdtemp(prefix="kvgate-gpu-")) / "m", args.arch,
                                       args.seed, init_device=args.device)
     args.source_dir = source  # config and tokenizer of the extra architectures

@@ -33,17 +33,18 @@ def _load(rng: random.Random, vocab: int, max_prompt: int):
 
 def run_bi_invariance(model_dir: Path, prompts: list[list[int]], args, trials: int = 3) -> dict:
     """``prompts`` as batch_invariant targets (greedy and a seeded draw, 24 tokens, top-3 logprobs), in
-    ``args.dtype``: alone, ``trials`` times amid load, and alone in 16-token prefill chunks."""
+    ``args.dtype``: alone, then ``trials`` times amid load and once in 16-token prefill chunks, each of
+    those runs compared with the one alone (``runs`` counts them, ``identical`` those that match)."""
     from engine import SamplingParams
     from engine.replay import StreamItem, run_stream
 
     modes = ("fast", "fixed", "batch_invariant")
     t0 = time.monotonic()
     engine = kvgate_engine(model_dir, args.device, args.dtype, determinism_modes=modes)
-    chunked = kvgate_engine(model_dir, args.device, args.dtype, determinism_modes=modes,
-                            max_num_batched_tokens=16, enable_prefix_caching=False)
     if "batch_invariant" not in engine.determinism.modes:
         return {"error": f"batch_invariant is off: {engine.determinism.bi_error}"}
+    chunked = kvgate_engine(model_dir, args.device, args.dtype, determinism_modes=modes,
+                            max_num_batched_tokens=16, enable_prefix_caching=False)
     vocab = engine.loaded.model_config.vocab_size
     rng, rows = random.Random(args.seed), []
     for i, prompt in enumerate(prompts):
@@ -57,8 +58,8 @@ def run_bi_invariance(model_dir: Path, prompts: list[list[int]], args, trials: i
                 target = StreamItem(rng.randint(0, 6), "target", prompt, params)
                 items.insert(rng.randint(0, len(items)), target)
                 seen.append(_observe(run_stream(engine, items)["target"]))
-            rows.append({"prompt_len": len(prompt), "temperature": temperature, "runs": len(seen) + 1,
-                         "identical": sum(s == ref for s in seen) + 1})
+            rows.append({"prompt_len": len(prompt), "temperature": temperature, "runs": len(seen),
+                         "identical": sum(s == ref for s in seen)})
     leaked = sum(s.blocks_held for s in engine.kv.namespace_stats().values())
     del engine, chunked
     free_memory(args.device)
