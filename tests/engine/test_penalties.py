@@ -88,6 +88,37 @@ def test_counts_follow_new_tokens_and_survive_a_recompute():
     assert again[0, 7] == -2.0 and again[0, 8] == -1.0
 
 
+def test_step_by_step_counts_match_a_fresh_count_as_the_state_grows():
+    # Each step's update adds only its new tokens to the state (whose room grows as new ids come): the
+    # result is the same bits as a state built from the whole token list at once.
+    rng = random.Random(4)
+    params = SamplingParams(frequency_penalty=0.7, presence_penalty=-0.3, repetition_penalty=1.3,
+                            logit_bias={3: 5.0})
+    seq = _seq([rng.randrange(4 * VOCAB) for _ in range(50)], [], params)
+    for _ in range(300):
+        seq.all_token_ids += [rng.randrange(4 * VOCAB) for _ in range(rng.choice([1, 1, 1, 3]))]
+        logits = torch.randn(1, 4 * VOCAB, generator=torch.Generator().manual_seed(len(seq.all_token_ids)))
+        fresh = logits.clone()
+        apply_penalties(logits, [seq])
+        apply_penalties(fresh, [_seq(seq.all_token_ids[:seq.prompt_len], seq.output_token_ids, params)])
+        assert torch.equal(logits, fresh)
+
+
+def test_a_step_updates_the_state_in_place_not_the_whole_context():
+    # A row's per-step cost is its new tokens, not its context: rebuilding the seen ids and counts from
+    # lists every step cost ~150 ms a step for 16 rows of 8k tokens, and every row of the step waited.
+    params = SamplingParams(frequency_penalty=1.0)
+    seq = _seq(list(range(2000)), [7], params)
+    apply_penalties(torch.zeros(1, 4096), [seq])
+    ids, counts = seq.penalty.tensors()
+    seq.all_token_ids += [7, 3000]
+    logits = torch.zeros(1, 4096)
+    apply_penalties(logits, [seq])
+    new_ids, new_counts = seq.penalty.tensors()
+    assert new_ids.data_ptr() == ids.data_ptr() and new_counts.data_ptr() == counts.data_ptr()
+    assert new_ids.numel() == 2001 and logits[0, 7] == -2.0 and logits[0, 3000] == -1.0
+
+
 @pytest.mark.parametrize("kwargs", [
     dict(presence_penalty=2.5), dict(frequency_penalty=-2.01), dict(presence_penalty=float("nan")),
     dict(repetition_penalty=0.0), dict(repetition_penalty=2.5), dict(repetition_penalty=True),
