@@ -58,17 +58,25 @@ HEADER = ("| variant | requests | gen tokens | tok/s | vs none | TTFT p50 (s) | 
           "| compile (s) |\n|---|---:|---:|---:|---:|---:|---:|---:|")
 
 
-def run_structured_bench(num_requests: int, out: str, variants: list[str], seed: int = 0) -> list[dict]:
-    """Each variant in its own subprocess, in turn; the table and the JSON compare each with ``none``."""
+def run_structured_bench(num_requests: int, out: str, variants: list[str], seed: int = 0,
+                         specs: list[str] | None = None) -> list[dict]:
+    """Each variant in its own subprocess, in turn; the table and the JSON compare each with ``none``.
+    Then the rows of ``specs`` (``bench.structured_specs``), in this process, in a table of their own."""
+    from bench.structured_specs import run_spec_rows, spec_table
+
     results = [run_in_subprocess("bench.structured_bench", v, num_requests, seed) for v in variants]
+    spec_rows = run_spec_rows(specs, seed) if specs else []
     base = next((r for r in results if r.get("variant") == "none"), None)
     measured = [r for r in results if "tokens_per_s" in r]
     cost = {r["variant"]: 1 - r["tokens_per_s"] / base["tokens_per_s"] for r in measured} if base else {}
     Path(out).parent.mkdir(parents=True, exist_ok=True)
-    Path(out).write_text(json.dumps({"results": results, "throughput_cost_vs_none": cost, "schema": SCHEMA},
-                                    indent=2))
-    print("\n".join([HEADER, *(_row(r, base) for r in results)]))
-    print("\n".join(f"{v}: {c:+.1%} throughput cost vs none" for v, c in cost.items()))
+    Path(out).write_text(json.dumps({"results": results, "throughput_cost_vs_none": cost, "schema": SCHEMA,
+                                     "specs": spec_rows}, indent=2))
+    if results:
+        print("\n".join([HEADER, *(_row(r, base) for r in results)]))
+        print("\n".join(f"{v}: {c:+.1%} throughput cost vs none" for v, c in cost.items()))
+    if spec_rows:
+        print(spec_table(spec_rows))
     print(f"JSON: {out}")
     return results
 

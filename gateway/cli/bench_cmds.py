@@ -73,11 +73,17 @@ def bench_structured(
                                  help="Comma list: none, json_schema, penalties"),
     out: str = typer.Option("bench-results/structured.json", help="Where to write the JSON results"),
     seed: int = typer.Option(0),
+    specs: str = typer.Option(
+        "all", help="Comma list of spec rows (bench/structured_specs.py), or all, or none"),
 ) -> None:
-    """Throughput of the standard workload with a JSON schema, or penalties and a logit bias, vs none."""
+    """Throughput of the standard workload with a JSON schema, or penalties and a logit bias, vs none;
+    then each spec's row, friendly and adversarial: refused or not, compile, first and per-token masks."""
     from bench.structured_bench import run_structured_bench
+    from bench.structured_specs import SPECS
 
-    run_structured_bench(num_requests=num_requests, out=out, variants=variants.split(","), seed=seed)
+    names = [n for n, _, _ in SPECS] if specs == "all" else [] if specs == "none" else specs.split(",")
+    run_structured_bench(num_requests=num_requests, out=out, variants=[v for v in variants.split(",") if v],
+                         seed=seed, specs=names)
 
 
 @bench_app.command("chat-tokenize")
