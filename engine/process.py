@@ -8,7 +8,9 @@ go down one pipe; each step's deltas (new tokens, text and logprobs only) come b
 frame with the engine's statistics (``engine.pipe`` says why the framing is its own).
 
 If the child dies, its requests end with ``EngineUnavailableError`` and a new child is started, with a
-growing pause between failed starts; requests made meanwhile are refused with the same error.
+growing pause between failed starts; requests made meanwhile are refused with the same error. Once a
+shutdown has begun (``stop_restarting``, then ``shutdown``) no child is started any more, and one being
+started is stopped: the server is going away, and a child left loading would outlive it.
 """
 
 from __future__ import annotations
@@ -70,7 +72,9 @@ class ProcessLLMEngine(StreamingFront):
         self._loop: asyncio.AbstractEventLoop | None = None  # reading the pipe itself (see ``start``)
         self._is_started = False
         self._is_restart = restart
-        self._stopping = threading.Event()
+        self._stopping = threading.Event()  # ``shutdown`` was called: the child going away is expected
+        self._is_retired = threading.Event()  # no new child from now on (see ``stop_restarting``)
+        self._starting: EngineChild | None = None  # a replacement child still loading
         self.num_restarts = 0
         self.error: BaseException | None = None
 
@@ -106,10 +110,19 @@ class ProcessLLMEngine(StreamingFront):
         child.set_blocking(False)  # as the loop's reader would make it anyway (uvloop does)
         self._loop.add_reader(child.reader.fd, self._on_readable, child)
 
+    def stop_restarting(self) -> None:
+        """A shutdown has begun: a child lost from now on is not replaced, and a replacement still loading
+        is stopped (the requests it would serve will not come). The serving child serves on."""
+        self._is_retired.set()
+        starting = self._starting
+        if starting is not None:
+            starting.kill()
+
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the child (killed if it does not stop within ``timeout``); outstanding requests end with
         an error on their streams."""
         self._stopping.set()
+        self.stop_restarting()
         child = self._child
         if child is not None:
             self._send(("stop",))
@@ -260,27 +273,44 @@ class ProcessLLMEngine(StreamingFront):
     def _restart(self, old: EngineChild, why: str) -> None:
         old.kill()
         detail = "" if self.error is None else f"; {self.error}"
-        logger.error("engine process lost: %s (%s%s)%s", why, old.describe_exit(), detail,
-                     "; starting a new one" if self._is_restart else "")
+        is_restart = self._is_restart and not self._is_retired.is_set()
+        then = "; starting a new one" if is_restart else ""
+        if self._is_restart and not is_restart:
+            then = "; not replaced: the server is shutting down"
+        logger.error("engine process lost: %s (%s%s)%s", why, old.describe_exit(), detail, then)
         old.close()
-        if not self._is_restart:
+        if not is_restart:
             return
         delays = itertools.chain((0.0,), _RESTART_DELAYS_S, itertools.repeat(_RESTART_DELAYS_S[-1]))
-        for delay in delays:  # until it starts or the engine is shut down: the server must come back
-            if self._stopping.wait(delay):
+        for delay in delays:  # until it starts or a shutdown begins: the server must come back
+            if self._is_retired.wait(delay):
                 return
             try:
-                child = EngineChild(*self._spawn_args)
-                ready = child.wait_ready(LOAD_TIMEOUT_S)
+                ready, child = self._start_child()
             except BaseException as e:  # noqa: BLE001
+                if self._is_retired.is_set():
+                    return  # stopped while loading, by the shutdown
                 logger.error("engine process failed to start (%s: %s); retrying", type(e).__name__, e)
                 continue
             self._hand_over(child, ready)
             return
 
+    def _start_child(self) -> tuple[Ready, EngineChild]:
+        """A new child, loaded; ``stop_restarting`` kills it while it loads (``wait_ready`` then raises)."""
+        child = self._starting = EngineChild(*self._spawn_args)
+        try:
+            if self._is_retired.is_set():  # began while it was being spawned
+                child.kill()
+            return child.wait_ready(LOAD_TIMEOUT_S), child
+        except BaseException:
+            child.close()
+            raise
+        finally:
+            self._starting = None
+
     def _hand_over(self, child: EngineChild, ready: Ready) -> None:
         def adopt() -> None:
-            if self._stopping.is_set():
+            if self._is_retired.is_set():
                 child.kill()
                 child.close()
                 return

@@ -137,7 +137,10 @@ def child_main(config: EngineConfig, cmd_conn: Any, out_conn: Any, initializer: 
                initargs: tuple) -> None:
     """The child: load the engine, report what callers need, then serve commands until told to stop or
     the parent goes away (its end of the command pipe closes)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent stops us
+    # Ctrl-C, and a service manager's SIGTERM (systemd's stop signals every process of the unit), reach
+    # this process too: the parent drains its requests, which need this engine, and then stops it.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if config.fixed_mmap_threshold:
         fix_mmap_threshold()  # before the model and the KV pool: see engine.allocator
     if initializer is not None:
@@ -153,9 +156,9 @@ def child_main(config: EngineConfig, cmd_conn: Any, out_conn: Any, initializer: 
     det = engine.determinism
     tokenizer_path = config.tokenizer or str(engine.loaded.model_dir)
     summary = DeterminismSummary(tuple(det.modes), dict(det.fingerprints), det.bi_error)
-    out.write(("ready", Ready(engine.model_name, engine.max_model_len, tokenizer_path, summary,
-                              engine.stats(namespaces=False))))
     try:
+        out.write(("ready", Ready(engine.model_name, engine.max_model_len, tokenizer_path, summary,
+                                  engine.stats(namespaces=False))))
         _serve(engine, FrameReader(cmd_conn.fileno()), out, HeapTrimmer(config.heap_trim_interval_s))
     except EOFError:
         logger.info("engine process: the gateway closed its pipe; exiting")

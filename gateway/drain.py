@@ -4,7 +4,9 @@ The server keeps listening while it drains, so a client that comes meanwhile get
 ``shutting_down`` instead of a refused connection, and ``/readyz`` turns 503 for the load balancer.
 The requests in flight may finish for ``shutdown_grace_s``; whatever still runs then is ended (a
 stream with a final error event, a whole request with the same 503) and settled. Then uvicorn shuts
-down as usual and the process exits 0.
+down, without waiting for idle clients to answer a TLS close (``DrainingServer.shutdown``), and the
+process exits 0. The engine child is not replaced if it dies once the drain has begun, and is stopped
+once, by the lifespan's end.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from gateway.errors import error_body
 
 log = structlog.get_logger()
 RETRY_AFTER_S = 5  # about the time a replacement process takes to serve
+CLOSE_NOTIFY_S = 0.1  # what idle connections get to take their TLS close before they are cut
 # After the grace period, how long the requests just ended may take to be settled and answered.
 SETTLE_AFTER_GRACE_S = 10.0
 _ALWAYS_OPEN = ("/healthz",)  # liveness: the process still answers
@@ -110,8 +113,26 @@ class DrainingServer(uvicorn.Server):
         else:  # a third: stop at once, as uvicorn's forced exit does (nothing more is settled)
             self.force_exit = self.should_exit = True
 
+    async def shutdown(self, sockets: Any = None) -> None:
+        """uvicorn's shutdown, once idle connections are closed. uvicorn closes them and then waits
+        (up to its graceful timeout, 5 s) until they are gone, but a TLS connection is gone only once
+        the client has answered the close (uvloop waits up to 30 s for it), and an idle client in a
+        connection pool may never read it: those are cut after ``CLOSE_NOTIFY_S``. The drain has
+        ended every request by now; a reply still being written keeps its connection."""
+        for server in self.servers:
+            server.close()  # no new connection meanwhile
+        idle = [c for c in self.server_state.connections if _is_idle(c)]
+        for connection in idle:
+            connection.shutdown()  # a TLS connection sends its close_notify
+        await asyncio.sleep(CLOSE_NOTIFY_S)
+        for connection in idle:
+            if connection in self.server_state.connections:
+                connection.transport.abort()
+        await super().shutdown(sockets)
+
     async def _drain(self, signal_name: str) -> None:
         self.drain.begin()
+        _stop_restarting(self.runtime)
         log.info("shutdown.draining", signal=signal_name, num_in_flight=self.drain.num_in_flight,
                  grace_s=self.grace_s)
         cut_short = asyncio.ensure_future(self._cut_short.wait())
@@ -125,3 +146,18 @@ class DrainingServer(uvicorn.Server):
             await self.drain.until_idle(SETTLE_AFTER_GRACE_S)
         log.info("shutdown.drained", num_in_flight=self.drain.num_in_flight)
         self.should_exit = True
+
+
+def _is_idle(connection: Any) -> bool:
+    """Whether an HTTP connection is between requests (uvicorn's own test in its ``shutdown``)."""
+    cycle = getattr(connection, "cycle", None)
+    return cycle is None or cycle.response_complete
+
+
+def _stop_restarting(runtime: Any) -> None:
+    """From the drain on, an engine child that dies is not replaced: nothing new will be served, and a
+    replacement would still be loading when the server exits."""
+    from engine.process import ProcessLLMEngine
+
+    if runtime.owns_engine and isinstance(runtime.engine, ProcessLLMEngine):
+        runtime.engine.stop_restarting()

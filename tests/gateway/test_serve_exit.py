@@ -1,12 +1,15 @@
 """``kvgate serve`` stopped by SIGTERM exits 0 at once after its shutdown, its engine child too: neither
-runs the interpreter's finalization (a collection of the whole heap, seconds of every stop)."""
+runs the interpreter's finalization (a collection of the whole heap, seconds of every stop); a SIGTERM
+that reaches the engine child too stops it once, and an idle client does not hold the exit up."""
 
 from __future__ import annotations
 
 import os
 import signal
+import time
 from pathlib import Path
 
+import httpx
 import psutil
 import pytest
 
@@ -36,3 +39,28 @@ def test_sigterm_ends_serve_and_its_engine_child_without_finalizing(tmp_path: Pa
         pids = {server.proc.pid, child.pid}
     # neither process finalized (multiprocessing's resource tracker does, as usual)
     assert not [m.name for m in markers.iterdir() if int(m.name.rsplit("-", 1)[1]) in pids]
+
+
+def test_sigterm_to_serve_and_its_engine_stops_the_engine_once_and_exits_at_once(
+        tmp_path: Path, tiny_model_dir: Path) -> None:
+    """As a service manager stops a unit (systemd signals every process in it) while a client keeps an
+    idle TLS connection open: the engine child serves the drain and is stopped once, no new one is
+    started, nothing logs a traceback, and the exit does not wait for the idle client (uvicorn waited
+    out its 5 s graceful timeout for it)."""
+    args = ("--num-kv-blocks", "64", "--determinism-modes", "fast")
+    with serve(tmp_path, tiny_model_dir, *args) as server, \
+            httpx.Client(base_url=server.base, verify=str(server.ca), timeout=30) as idle:
+        assert idle.get("/healthz").status_code == 200  # the connection stays in the client's pool
+        engine = psutil.Process(server.engine_pid())
+        started = time.monotonic()
+        for process in (server.proc, engine):
+            process.send_signal(signal.SIGTERM)
+        assert server.proc.wait(60) == 0, server.log()
+        exit_s = time.monotonic() - started
+        engine.wait(30)
+    time.sleep(2)  # what a child still loading would print when it found its parent gone
+    log = server.log()
+    assert "shutdown.drained" in log
+    assert "engine process lost" not in log and "restarted" not in log and log.count("KV cache:") == 1, log
+    assert "Traceback" not in log and "timeout graceful shutdown exceeded" not in log, log
+    assert exit_s < 20, (exit_s, log)  # generous: it takes well under a second
