@@ -24,7 +24,7 @@ from gateway.controllers.models_admin import ModelsAdminController, model_route_
 from gateway.controllers.openai import OpenAIController
 from gateway.deps import provide_principal, provide_runtime, provide_session
 from gateway.errors import exception_handlers
-from gateway.openapi import complete_openapi
+from gateway.openapi import admin_openapi, complete_openapi
 from gateway.runtime import Runtime
 from gateway.settings import Settings, get_settings
 
@@ -52,7 +52,7 @@ class GatewayPlugin(InitPluginProtocol):
     def _configure_routes(self, cfg: AppConfig) -> None:
         cfg.route_handlers.extend(
             [OpenAIController, AdminController, ModelsAdminController, AuditController, healthz, readyz,
-             metrics, model_route_history, console_router()]
+             metrics, model_route_history, admin_openapi, console_router()]
         )
 
     def _configure_dependencies(self, cfg: AppConfig) -> None:

@@ -59,6 +59,7 @@ ADMIN_ROUTE_SCOPES: dict[tuple[str, str], str] = {
     ("GET", "/metrics"): METRICS_READ,
     ("POST", "/admin/v1/admin-tokens"): TOKENS_WRITE,
     ("POST", "/admin/v1/admin-tokens/{token_id}/revoke"): TOKENS_WRITE,
+    ("GET", "/admin/v1/openapi.json"): ADMIN_READ,
 }
 
 

@@ -5,8 +5,11 @@ Litestar documents an HTTP handler from its signature. Ours parse their JSON bod
 (``gateway.body.parse_body``: strict JSON, OpenAI-format errors), and the two completion endpoints are ASGI
 handlers (``gateway/asgi_io.py`` says why), which Litestar leaves out of the document altogether. Such a
 route carries a ``RouteDoc`` in its ``opt`` (``opt=route_doc(...)``); ``complete_openapi`` adds it, with the
-errors each route can answer, every one in OpenAI's format (``ErrorResponse``). Nothing here runs on a
-request's path.
+errors each route can answer, every one in OpenAI's format (``ErrorResponse``).
+
+``/schema`` needs no token, so it describes only the routes a tenant key or no token can call (``/v1``,
+``/healthz``, ``/readyz``): the admin API is no map for strangers. The whole document, admin routes
+included, is ``GET /admin/v1/openapi.json`` (``admin:read``). Both are made once, at start-up.
 """
 
 from __future__ import annotations
@@ -16,7 +19,8 @@ from dataclasses import dataclass, field
 from inspect import cleandoc
 from typing import Any
 
-from litestar import Litestar
+from litestar import Litestar, get
+from litestar.datastructures import State
 from litestar.handlers import BaseRouteHandler
 from litestar.openapi.spec import (
     Components,
@@ -32,9 +36,13 @@ from litestar.routes import ASGIRoute, HTTPRoute
 from pydantic import BaseModel, TypeAdapter
 from pydantic.json_schema import GenerateJsonSchema, JsonSchemaMode
 
+from gateway.guards import requires_admin, requires_tenant
 from gateway.schemas.responses import ErrorResponse
 
 OPENAPI_DOC = "openapi_doc"  # the ``opt`` key of a route's ``RouteDoc``
+WHOLE_DOCUMENT = "openapi_whole"  # the app-state key of the whole document (a dict)
+_PUBLIC_NOTE = ("The routes a tenant key or no token can call. The whole document, the admin API's routes "
+                "included, is GET /admin/v1/openapi.json, with an admin token holding admin:read.")
 JSON = "application/json"
 _REF = "#/components/schemas/{model}"
 _BEARER = "bearer"
@@ -209,9 +217,13 @@ def _asgi_operation(route: ASGIRoute) -> Operation:
 
 
 def complete_openapi(app: Litestar) -> None:
-    """Complete ``app``'s OpenAPI document in place (Litestar builds it once and serves that one):
-    the routes' ``RouteDoc`` bodies and responses, the ASGI routes, the errors of every route, and the
-    bearer security scheme. Call it once the routes are registered and before ``/schema`` is served."""
+    """Complete ``app``'s OpenAPI document (the routes' ``RouteDoc`` bodies and responses, the ASGI
+    routes, the errors of every route, and the bearer security scheme), keep the whole of it for
+    ``admin_openapi``, and cut the one Litestar serves at ``/schema`` down to its public routes (Litestar
+    builds it once and serves that one). Call it once the routes are registered and before ``/schema``
+    is served; a second call does nothing."""
+    if WHOLE_DOCUMENT in app.state:
+        return
     openapi = app.openapi_schema
     schemas = _Schemas(_types(app))
     paths = dict(openapi.paths or {})
@@ -230,3 +242,47 @@ def complete_openapi(app: Litestar) -> None:
         _BEARER: SecurityScheme(type="http", scheme="bearer", description="A tenant key or an admin token.")
     }
     openapi.components = components
+    app.state[WHOLE_DOCUMENT] = openapi.to_schema()
+    _keep_public(openapi, app.state[WHOLE_DOCUMENT], {path for path, _, handler, _ in _routes(app)
+                                                      if _is_public(handler)})
+
+
+def _is_public(handler: BaseRouteHandler) -> bool:
+    """Whether a tenant key or no token can call the route (every other one takes an admin token)."""
+    return bool(handler.opt.get("exclude_from_auth")) or requires_tenant in handler.resolve_guards()
+
+
+def _keep_public(openapi: Any, whole: dict[str, Any], public: set[str]) -> None:
+    """Cut ``openapi`` down to the ``public`` paths and the components they refer to, directly or not
+    (``whole``: the same document as a dict)."""
+    openapi.paths = {path: item for path, item in (openapi.paths or {}).items() if path in public}
+    components = whole.get("components", {}).get("schemas", {})
+    names: set[str] = set()
+    todo = [whole["paths"][path] for path in public if path in whole["paths"]]
+    while todo:
+        for ref in _refs(todo.pop()):
+            name = ref.rsplit("/", 1)[-1]
+            if name not in names and name in components:
+                names.add(name)
+                todo.append(components[name])
+    openapi.components.schemas = {k: v for k, v in openapi.components.schemas.items() if k in names}
+    openapi.info.description = _PUBLIC_NOTE
+
+
+def _refs(node: Any) -> list[str]:
+    """Every ``$ref`` in a JSON document."""
+    if isinstance(node, dict):
+        own = [node["$ref"]] if isinstance(node.get("$ref"), str) else []
+        return own + [ref for value in node.values() for ref in _refs(value)]
+    return [ref for value in node for ref in _refs(value)] if isinstance(node, list) else []
+
+
+@get("/admin/v1/openapi.json", guards=[requires_admin], sync_to_thread=False)
+def admin_openapi(state: State) -> dict[str, Any]:
+    """``GET /admin/v1/openapi.json``: the whole OpenAPI document, the admin API's routes beside the
+    public ones that ``/schema`` describes.
+
+    Returns:
+        The document (OpenAPI 3.1), as made at start-up.
+    """
+    return state[WHOLE_DOCUMENT]

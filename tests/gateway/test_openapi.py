@@ -1,6 +1,7 @@
-"""The OpenAPI document at /schema: every route, with the body it parses and what it answers (the two
-completion endpoints too, which are ASGI handlers Litestar does not document), and real replies that
-match what it says."""
+"""The OpenAPI documents: the whole one (/admin/v1/openapi.json, admin tokens only) has every route, with
+the body it parses and what it answers (the two completion endpoints too, which are ASGI handlers Litestar
+does not document), and real replies match what it says; the public one (/schema, no token) has only the
+routes a tenant key or no token can call."""
 
 import json
 import re
@@ -9,6 +10,7 @@ from typing import Any
 import pytest
 from litestar.routes import ASGIRoute, HTTPRoute
 
+from gateway.schemas.admin import METRICS_READ
 from gateway.schemas.responses import (
     ChatCompletion,
     ChatCompletionChunk,
@@ -16,6 +18,7 @@ from gateway.schemas.responses import (
     TextCompletion,
     TextCompletionChunk,
 )
+from gateway.services import keys
 
 COMPLETIONS = {
     "/v1/chat/completions": "ChatCompletionRequest",
@@ -25,7 +28,7 @@ AUTHENTICATED_ERRORS = {"401", "403", "429", "503"}
 
 
 async def _document(gw) -> dict[str, Any]:
-    r = await gw.client.get("/schema/openapi.json")
+    r = await gw.client.get("/admin/v1/openapi.json", headers=gw.admin())
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -52,6 +55,33 @@ def _refs(node: Any) -> list[str]:
         own = [node["$ref"]] if isinstance(node.get("$ref"), str) else []
         return own + [r for v in node.values() for r in _refs(v)]
     return [r for v in node for r in _refs(v)] if isinstance(node, list) else []
+
+
+async def test_the_public_document_has_only_what_a_tenant_key_or_no_token_can_call(gw):
+    r = await gw.client.get("/schema/openapi.json")
+    assert r.status_code == 200, r.text
+    public, whole = r.json(), await _document(gw)
+    expected = {path for path in whole["paths"] if path.startswith("/v1/")} | {"/healthz", "/readyz"}
+    assert set(public["paths"]) == expected and set(COMPLETIONS) <= expected
+    assert public["paths"]["/v1/chat/completions"] == whole["paths"]["/v1/chat/completions"]
+    components = public["components"]["schemas"]
+    assert {ref.split("/")[-1] for ref in _refs(public)} == set(components)  # every one used, none missing
+    text = json.dumps({part: value for part, value in public.items() if part != "info"})
+    for admin_only in ("/admin/v1/", "/metrics", "TenantCreate", "AdminTokenCreate", "Retention"):
+        assert admin_only not in text, admin_only
+    assert "admin:read" in public["info"]["description"]  # where the whole document is
+
+
+async def test_the_whole_document_needs_an_admin_token_with_admin_read(gw):
+    _, key = await gw.make_tenant()
+    assert (await gw.client.get("/admin/v1/openapi.json")).status_code == 401
+    r = await gw.client.get("/admin/v1/openapi.json", headers={"Authorization": f"Bearer {key}"})
+    assert r.status_code == 403 and r.json()["error"]["code"] == "admin_token_required"
+    rt = gw.runtime
+    async with rt.sessionmaker() as s:
+        narrow = await keys.create_admin_token(s, rt.hasher, "narrow", frozenset({METRICS_READ}))
+    r = await gw.client.get("/admin/v1/openapi.json", headers={"Authorization": f"Bearer {narrow}"})
+    assert r.status_code == 403 and r.json()["error"]["code"] == "scope_required"
 
 
 async def test_every_route_is_documented_with_the_body_it_reads(gw):
