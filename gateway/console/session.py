@@ -3,8 +3,8 @@
 The cookie holds no secret of the admin token: a random session id, the token's id, its scopes and the
 expiry, MAC'd with a key derived from the server pepper (so every replica sharing the database, which must
 share the pepper to check API keys, accepts it). Each request re-reads the admin token's row, so revoking or
-expiring the token ends its sessions at once; signing out ends the session on this process (``SignedOut``)
-and the cookie with it.
+expiring the token ends its sessions at once; signing out records the session in the database
+(``console_sign_outs``, until it would have expired), so every replica refuses its cookie from then on.
 """
 
 from __future__ import annotations
@@ -13,21 +13,21 @@ import base64
 import hmac
 import secrets
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import orjson
-from sqlalchemy import Connection, bindparam, select
+from sqlalchemy import Connection, bindparam, delete, exists, select
+from sqlalchemy.dialects import postgresql, sqlite
 
 from audit.prepared import execute
 from gateway.clock import as_utc, utcnow
 from gateway.secrets import Hasher
 from gateway.services.keys import Principal
-from gateway.storage.models import AdminToken
+from gateway.storage.models import AdminToken, ConsoleSignOut
 
 COOKIE = "__Host-kvgate_console"  # __Host-: Secure, Path=/ and no Domain, enforced by the browser
 LOGIN_COOKIE = "__Host-kvgate_console_login"  # binds the sign-in form's CSRF token before a session
 SESSION_S = 30 * 60  # a session's longest life; never past its admin token's own expiry
-MAX_SIGNED_OUT = 100_000  # bound of the signed-out set (entries leave when their session would expire)
 _VERSION = 1
 
 
@@ -57,30 +57,12 @@ class ConsoleSession:
         return scope in self.scopes
 
 
-@dataclass
-class SignedOut:
-    """Session ids signed out before they expire, each kept until its expiry (bounded)."""
-
-    expiry_by_sid: dict[str, int] = field(default_factory=dict)
-
-    def add(self, sid: str, expires_at: int) -> None:
-        now = int(time.time())
-        if len(self.expiry_by_sid) >= MAX_SIGNED_OUT:
-            self.expiry_by_sid = {s: e for s, e in self.expiry_by_sid.items() if e > now}
-        if len(self.expiry_by_sid) < MAX_SIGNED_OUT:
-            self.expiry_by_sid[sid] = expires_at
-
-    def __contains__(self, sid: str) -> bool:
-        return sid in self.expiry_by_sid
-
-
 class SessionSigner:
     """Makes and checks session cookies and CSRF tokens with one key derived from the server pepper."""
 
     def __init__(self, hasher: Hasher) -> None:
         # A derived key: the pepper itself never signs anything else than key hashes.
         self._key = bytes.fromhex(hasher.hash("0" * 16, "kvgate-console-session-v1"))
-        self.signed_out = SignedOut()
 
     def _mac(self, purpose: str, data: str) -> str:
         return _b64(hmac.digest(self._key, f"{purpose}:{data}".encode(), "sha256"))
@@ -97,7 +79,8 @@ class SessionSigner:
         return session, f"{payload}.{self._mac('session', payload)}"
 
     def parse(self, cookie: str | None) -> ConsoleSession | None:
-        """The session a cookie holds, if its MAC is right and it has not expired or been signed out."""
+        """The session a cookie holds, if its MAC is right and it has not expired (``still_valid`` then
+        checks it against the database)."""
         if not cookie or len(cookie) > 2048 or cookie.count(".") != 1:
             return None
         payload, mac = cookie.split(".")
@@ -109,7 +92,7 @@ class SessionSigner:
                                      int(body["exp"]))
         except (ValueError, KeyError, TypeError):
             return None
-        if body.get("v") != _VERSION or session.expires_at <= time.time() or session.sid in self.signed_out:
+        if body.get("v") != _VERSION or session.expires_at <= time.time():
             return None
         return session
 
@@ -124,21 +107,36 @@ class SessionSigner:
         return given is not None and hmac.compare_digest(expected.encode(), given.encode())
 
 
-_TOKEN_ROW = select(AdminToken.revoked_at, AdminToken.expires_at, AdminToken.scopes).where(
+_SIGN_OUTS = ConsoleSignOut.__table__
+_IS_SIGNED_OUT = exists().where(_SIGN_OUTS.c.sid == bindparam("sid")).label("is_signed_out")
+_TOKEN_ROW = select(AdminToken.revoked_at, AdminToken.expires_at, AdminToken.scopes, _IS_SIGNED_OUT).where(
     AdminToken.id == bindparam("token_id")
 )
+_EXPIRED = delete(_SIGN_OUTS).where(_SIGN_OUTS.c.expires_at <= bindparam("now"))
 
 
 def still_valid(conn: Connection, session: ConsoleSession) -> ConsoleSession | None:
-    """The session with the scopes its admin token still has, or ``None`` when the token is revoked,
-    expired or gone (checked on every request: revoking the token ends its sessions)."""
-    rows = execute(conn, _TOKEN_ROW, {"token_id": session.token_id})
+    """The session with the scopes its admin token still has, or ``None`` when it was signed out (on any
+    replica) or its token is revoked, expired or gone (checked on every request, in one query)."""
+    rows = execute(conn, _TOKEN_ROW, {"token_id": session.token_id, "sid": session.sid})
     if not rows:
         return None
-    revoked_at, expires_at, scopes = rows[0]
+    revoked_at, expires_at, scopes, is_signed_out = rows[0]
     expiry = as_utc(expires_at)
-    if revoked_at is not None or (expiry is not None and expiry <= utcnow()):
+    if is_signed_out or revoked_at is not None or (expiry is not None and expiry <= utcnow()):
         return None
     current = session.scopes & frozenset((scopes or "").split())
     return session if current == session.scopes else ConsoleSession(
         session.sid, session.token_id, current, session.expires_at)
+
+
+def sign_out(conn: Connection, session: ConsoleSession) -> None:
+    """Refuse ``session`` from now on, on every replica sharing the database, until it would have expired.
+
+    The table holds one row per session signed out and not yet expired: each sign-out deletes the rows
+    of sessions that expired meanwhile (their cookies are refused by their expiry already).
+    """
+    conn.execute(_EXPIRED, {"now": int(time.time())})
+    dialect = postgresql if conn.dialect.name == "postgresql" else sqlite
+    conn.execute(dialect.insert(_SIGN_OUTS).values(sid=session.sid, expires_at=session.expires_at)
+                 .on_conflict_do_nothing())  # signed out twice (two tabs, two replicas): once is enough

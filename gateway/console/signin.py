@@ -10,7 +10,7 @@ from litestar.datastructures import Cookie
 
 from gateway.auth import auth_failures, peer_address
 from gateway.console.guard import CONSOLE_PUBLIC, CONSOLE_SCOPE, CSRF_FIELD, signer
-from gateway.console.session import COOKIE, LOGIN_COOKIE, ConsoleSession
+from gateway.console.session import COOKIE, LOGIN_COOKIE, ConsoleSession, sign_out
 from gateway.console.views import page, see_other
 from gateway.errors import AuthError
 from gateway.runtime import Runtime
@@ -81,8 +81,9 @@ class SignInController(Controller):
 
     @post("/logout", opt={CONSOLE_SCOPE: ADMIN_READ})
     async def logout(self, request: Request, runtime: Runtime, console: ConsoleSession) -> Response:
-        """End this session (its cookie is refused from now on, even if kept) and clear the cookie."""
-        signer(request).signed_out.add(console.sid, console.expires_at)
+        """End this session (its cookie is refused from now on, even if kept, on every replica) and clear
+        the cookie."""
+        await runtime.txn.run(sign_out, console)
         await runtime.audit.emit("admin.console_signed_out", required=False, actor=console.token_id,
                                  target_type="console_session", target_id=console.sid[:12])
         response = see_other(_PATH)

@@ -115,3 +115,13 @@ class ModelRoute(Base):
     changed_by: Mapped[str] = mapped_column(String(64))
     comment: Mapped[str] = mapped_column(String(512), default="")
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
+class ConsoleSignOut(Base):
+    """A console session signed out before its expiry: every replica sharing the database refuses its
+    cookie from then on. Rows of sessions past their expiry are deleted at the next sign-out."""
+
+    __tablename__ = "console_sign_outs"
+
+    sid: Mapped[str] = mapped_column(String(64), primary_key=True)
+    expires_at: Mapped[int] = mapped_column(BigInteger, index=True)  # Unix seconds, as in the cookie
