@@ -14,6 +14,9 @@ MAX_SCHEMA_BYTES = 64 * 1024
 MAX_SCHEMA_DEPTH = 32
 MAX_TOOLS = 128
 MAX_TOOL_ARGUMENTS_CHARS = 1_000_000
+# A call's arguments are rendered back into the prompt as JSON: deeper than orjson writes (254) would fail
+# there, after admission began; far below it here.
+MAX_TOOL_ARGUMENTS_DEPTH = 128
 TOOL_NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
 
 _Name = Annotated[str, Field(pattern=TOOL_NAME_PATTERN)]
@@ -37,18 +40,26 @@ def json_depth(value: Any) -> int:
 
 
 def schema_bytes(schema: Any) -> int:
-    """The schema's size as compact JSON: what the caps count."""
-    return len(orjson.dumps(schema))
+    """The schema's size as compact JSON: what the caps count.
+
+    Raises:
+        ValueError: It cannot be written as JSON (an integer beyond 64 bits, or nested too deep).
+    """
+    try:
+        return len(orjson.dumps(schema))
+    except orjson.JSONEncodeError as e:  # a TypeError: a validator must raise ValueError to be a 400
+        raise ValueError(f"the schema cannot be encoded as JSON ({e})") from None
 
 
 def check_schema_shape(schema: dict[str, Any]) -> dict[str, Any]:
-    """Refuse a schema over the server's size or depth caps (a ``ValueError`` names which)."""
-    size = schema_bytes(schema)
-    if size > MAX_SCHEMA_BYTES:
-        raise ValueError(f"the schema is {size} bytes; at most {MAX_SCHEMA_BYTES} are accepted")
+    """Refuse a schema over the server's size or depth caps (a ``ValueError`` names which). The depth
+    first: measuring the size encodes the schema, which fails past orjson's nesting limit."""
     depth = json_depth(schema)
     if depth > MAX_SCHEMA_DEPTH:
         raise ValueError(f"the schema nests {depth} levels deep; at most {MAX_SCHEMA_DEPTH} are accepted")
+    size = schema_bytes(schema)
+    if size > MAX_SCHEMA_BYTES:
+        raise ValueError(f"the schema is {size} bytes; at most {MAX_SCHEMA_BYTES} are accepted")
     return schema
 
 
@@ -118,6 +129,19 @@ ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 class ToolCallFunction(_Strict):
     name: Annotated[str, Field(max_length=64)]
     arguments: Annotated[str, Field(max_length=MAX_TOOL_ARGUMENTS_CHARS)]
+
+    @field_validator("arguments")
+    @classmethod
+    def _check_arguments(cls, arguments: str) -> str:
+        try:
+            value = orjson.loads(arguments)
+        except orjson.JSONDecodeError:
+            return arguments  # not JSON: rendered as the text it is
+        depth = json_depth(value)
+        if depth > MAX_TOOL_ARGUMENTS_DEPTH:
+            raise ValueError(f"the arguments nest {depth} levels deep; at most {MAX_TOOL_ARGUMENTS_DEPTH} "
+                             "are accepted")
+        return arguments
 
 
 class ToolCall(_Strict):
