@@ -47,6 +47,10 @@ class Policy(BaseModel):
             a cache of its own here. Off, a request with a ``cache_salt`` is refused.
         allow_shared_upstream_cache: Requests may be routed to an upstream pool marked ``shared_cache``,
             whose prefix cache the gateway cannot scope (its other users' prompts may warm it).
+        allow_special_tokens: Special-token strings (``<|im_start|>``, ...) in what requests send (message
+            contents, tool calls and definitions, a text prompt) are tokenized as control tokens. Off,
+            they are text, so a caller cannot forge the chat template's roles and turns. Only for keys
+            that send prompts already formatted with the model's markers.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -73,6 +77,7 @@ class Policy(BaseModel):
     max_schema_bytes: PositiveInt | None = None
     trust_cache_salt: bool = False
     allow_shared_upstream_cache: bool = False
+    allow_special_tokens: bool = False
 
     @model_validator(mode="after")
     def _check_consistent(self) -> Policy:

@@ -145,7 +145,8 @@ async def _prompt_ids(
     pool = tokenize_pool(settings.tokenize_threads, settings.tokenize_queue)
     sharer = _sharer(policy.prefix_cache_scope, principal)  # tokenized pieces are shared as KV blocks are
     segments = rt.segments if model is rt.engine else model.segments
-    return await tokenize(model.tokenizer, req, segments, sharer, pool)
+    return await tokenize(model.tokenizer, req, segments, sharer, pool,
+                          allow_special_tokens=policy.allow_special_tokens)
 
 
 async def _decide(

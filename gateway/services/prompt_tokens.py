@@ -12,8 +12,9 @@ from typing import Any, TypeVar
 from gateway.errors import InvalidRequest, PolicyViolation
 from gateway.schemas.openai import ChatCompletionRequest, CompletionRequest
 from gateway.schemas.openai_tools import schema_bytes
+from gateway.services.control_tokens import control_tokens
 from gateway.services.ratelimit import exceeded
-from gateway.services.segment_cache import SegmentCache, encode
+from gateway.services.segment_cache import SegmentCache, encode, encode_rendered
 from gateway.services.tools import template_input
 
 T = TypeVar("T")
@@ -26,12 +27,20 @@ def chat_token_ids(
     req: ChatCompletionRequest,
     segments: SegmentCache | None = None,
     namespace: str | None = None,
+    *,
+    allow_special_tokens: bool = False,
 ) -> list[int]:
     """The prompt token ids of a chat request: the model's chat template with the generation prompt (and
     the request's tools, ``gateway.services.tools``).
     ``kvgate replay`` calls this too, so a replayed prompt is rendered exactly as the gateway did.
-    ``segments`` reuses the ids of pieces ``namespace`` sent before (the same ids, see its module)."""
+    ``segments`` reuses the ids of pieces ``namespace`` sent before (the same ids, see its module).
+    Special-token strings in what the caller sent (contents, tool calls and definitions) are text, the
+    template's own markers control tokens (``gateway.services.control_tokens``); with
+    ``allow_special_tokens`` (a trusted caller's policy) they are control tokens too."""
     messages, extra = template_input(tokenizer, req)  # tools, and earlier calls and results, if any
+    control = None if allow_special_tokens else control_tokens(tokenizer)
+    if control is not None:
+        messages, extra = control.escape_all(messages), control.escape_all(extra)
     try:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **extra)
     except Exception as e:  # noqa: BLE001  (template errors are the caller's message shape)
@@ -41,19 +50,24 @@ def chat_token_ids(
         ) from None
     # What apply_chat_template(tokenize=True) does: the rendered text without added special tokens.
     if segments is not None:
-        return segments.encode(text, namespace)
-    return encode(tokenizer, text, add_special_tokens=False)
+        return segments.encode(text, namespace, control)
+    return encode_rendered(tokenizer, text, control)
 
 
-def text_token_ids(tokenizer: Any, req: CompletionRequest) -> list[int]:
-    """The prompt token ids of a text completion: given ids as they are, text with special tokens."""
+def text_token_ids(
+    tokenizer: Any, req: CompletionRequest, *, allow_special_tokens: bool = False
+) -> list[int]:
+    """The prompt token ids of a text completion: given ids as they are; text with the tokenizer's added
+    special tokens (a BOS), its own special-token strings as text unless ``allow_special_tokens``."""
     prompt = req.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
         if max(prompt) >= len(tokenizer):
             raise InvalidRequest("prompt contains a token id outside the vocabulary.", param="prompt")
         return list(prompt)
     text = prompt[0] if isinstance(prompt, list) else prompt
-    return encode(tokenizer, text, add_special_tokens=True)
+    if allow_special_tokens:
+        return encode(tokenizer, text, add_special_tokens=True)
+    return control_tokens(tokenizer).encode_text(text, add_special_tokens=True)
 
 
 def _utf8_len(text: str) -> int:
@@ -167,13 +181,17 @@ async def tokenize(
     segments: SegmentCache | None = None,
     namespace: str | None = None,
     pool: TokenizePool | None = None,
+    *,
+    allow_special_tokens: bool = False,
 ) -> list[int]:
     """The request's prompt ids; a chat's through ``segments`` (under ``namespace``) when given. A long
-    prompt is tokenized off the event loop: on ``pool``, or on a fresh thread without one (tools)."""
+    prompt is tokenized off the event loop: on ``pool``, or on a fresh thread without one (tools).
+    Special-token strings in the caller's text are text unless ``allow_special_tokens``."""
     if isinstance(req, ChatCompletionRequest):
-        fn = functools.partial(chat_token_ids, tokenizer, req, segments, namespace)
+        fn = functools.partial(chat_token_ids, tokenizer, req, segments, namespace,
+                               allow_special_tokens=allow_special_tokens)
     else:
-        fn = functools.partial(text_token_ids, tokenizer, req)
+        fn = functools.partial(text_token_ids, tokenizer, req, allow_special_tokens=allow_special_tokens)
     if _prompt_chars(req) <= INLINE_TOKENIZE_CHARS:
         ids = fn()
     else:

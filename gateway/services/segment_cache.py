@@ -14,6 +14,10 @@ or matches single words and the tokenizer neither truncates, pads nor encodes sp
 otherwise (or without a Rust backend) every call tokenizes the whole text as before. Each piece is then
 encoded by the tokenizer itself, normalization and all.
 
+Caller's text: a chat rendered from escaped content (``gateway.services.control_tokens``) is split the
+same way, at the template's own control tokens; a piece holding an escape is unescaped and encoded with
+special-token strings as text, and cached under a key of its own.
+
 Isolation: entries are keyed by the caller's namespace (the tenant, or the key under a ``key`` cache
 scope; no caching under ``request``), so no tenant can hit, or time, another's entries; a shared bound
 means one tenant's volume can evict another's entries, which tells it nothing about their content.
@@ -21,12 +25,16 @@ means one tenant's volume can evict another's entries, which tells it nothing ab
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
 import threading
 from array import array
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
+
+from gateway.services.control_tokens import ESC, ControlTokens
 
 MAX_ENTRIES = 65_536
 MAX_TOKENS = 1 << 21  # ids held in all (4 bytes each)
@@ -41,9 +49,49 @@ def encode(tokenizer: Any, text: str, *, add_special_tokens: bool) -> list[int]:
     return backend.encode(text, add_special_tokens=add_special_tokens).ids
 
 
-def _splitter(backend: Any) -> tuple[re.Pattern[str], dict[str, int]] | None:
+def encode_rendered(tokenizer: Any, text: str, control: ControlTokens | None = None) -> list[int]:
+    """The ids of a rendered chat without added special tokens, cached nowhere. With ``control``, the
+    chat was rendered from escaped strings: the pieces holding escapes are encoded with special-token
+    strings as text (each escape's string on its own where the tokenizer's split is not known)."""
+    if control is None or ESC not in text:
+        return encode(tokenizer, text, add_special_tokens=False)
+    split = splitter(tokenizer)
+    if split is None:
+        return _split_ids(text, control.escapes, control.encode_escaped, lambda piece: encode(
+            tokenizer, piece, add_special_tokens=False))
+    pattern, added_ids = split
+
+    def piece_ids(piece: str) -> list[int]:
+        if ESC in piece:
+            return control.encode_escaped(piece)  # type: ignore[union-attr]
+        return encode(tokenizer, piece, add_special_tokens=False)
+
+    return _split_ids(text, pattern, lambda token: [added_ids[token]], piece_ids)
+
+
+def _split_ids(text: str, pattern: re.Pattern[str], match_ids: Callable[[str], list[int]],
+               piece_ids: Callable[[str], Any]) -> list[int]:
+    """The ids of ``text``: each match of ``pattern`` and each piece between matches, in order."""
+    ids: list[int] = []
+    start = 0
+    for match in pattern.finditer(text):
+        if match.start() > start:
+            ids += piece_ids(text[start:match.start()])
+        ids += match_ids(match.group())
+        start = match.end()
+    if start < len(text):
+        ids += piece_ids(text[start:])
+    return ids
+
+
+@functools.lru_cache(maxsize=8)
+def splitter(tokenizer: Any) -> tuple[re.Pattern[str], dict[str, int]] | None:
     """The pattern of the tokenizer's first split and the ids of what it matches; ``None`` when this
     module cannot reproduce that split exactly."""
+    return _splitter(getattr(tokenizer, "backend_tokenizer", None))
+
+
+def _splitter(backend: Any) -> tuple[re.Pattern[str], dict[str, int]] | None:
     if backend is None or backend.truncation is not None or backend.padding is not None:
         return None
     if getattr(backend, "encode_special_tokens", False):
@@ -71,7 +119,7 @@ class SegmentCache:
         self, tokenizer: Any, *, max_entries: int = MAX_ENTRIES, max_tokens: int = MAX_TOKENS
     ) -> None:
         self._tokenizer = tokenizer
-        split = _splitter(getattr(tokenizer, "backend_tokenizer", None))
+        split = splitter(tokenizer)
         self._pattern, self._added_ids = split if split is not None else (None, {})
         self.max_entries, self.max_tokens = max_entries, max_tokens
         self._entries: OrderedDict[tuple[str, bytes], array] = OrderedDict()
@@ -87,23 +135,22 @@ class SegmentCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def encode(self, text: str, namespace: str | None) -> list[int]:
-        """The ids of ``text`` without added special tokens; ``namespace`` ``None`` caches nothing."""
+    def encode(self, text: str, namespace: str | None, control: ControlTokens | None = None) -> list[int]:
+        """The ids of ``text`` without added special tokens; ``namespace`` ``None`` caches nothing.
+        ``control``: ``text`` was rendered from strings escaped by it (``encode_rendered``)."""
+        if control is not None and ESC not in text:
+            control = None  # nothing was escaped: the plain path
         if self._pattern is None or namespace is None:
-            return encode(self._tokenizer, text, add_special_tokens=False)
-        ids: list[int] = []
-        start = 0
-        for match in self._pattern.finditer(text):
-            if match.start() > start:
-                ids += self._piece(namespace, text[start:match.start()])
-            ids.append(self._added_ids[match.group()])
-            start = match.end()
-        if start < len(text):
-            ids += self._piece(namespace, text[start:])
-        return ids
+            return encode_rendered(self._tokenizer, text, control)
+        added_ids = self._added_ids
+        return _split_ids(text, self._pattern, lambda token: [added_ids[token]],
+                          lambda piece: self._piece(namespace, piece, control))
 
-    def _piece(self, namespace: str, piece: str) -> array | list[int]:
-        digest = hashlib.blake2b(piece.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+    def _piece(self, namespace: str, piece: str, control: ControlTokens | None) -> array | list[int]:
+        is_text = control is not None and ESC in piece
+        # A piece of the caller's escaped text hashes apart from the same string taken as it is.
+        digest = hashlib.blake2b(piece.encode("utf-8", "surrogatepass"), digest_size=16,
+                                 person=b"text" if is_text else b"").digest()
         key = (namespace, digest)
         with self._lock:
             hit = self._entries.get(key)
@@ -112,7 +159,10 @@ class SegmentCache:
                 self.num_hits += 1
                 return hit
             self.num_misses += 1
-        ids = encode(self._tokenizer, piece, add_special_tokens=False)
+        if is_text:
+            ids = control.encode_escaped(piece)  # type: ignore[union-attr]
+        else:
+            ids = encode(self._tokenizer, piece, add_special_tokens=False)
         if len(ids) > self.max_tokens:
             return ids
         stored = array("I", ids)
