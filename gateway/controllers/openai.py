@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from litestar import Controller, asgi, get
@@ -43,8 +44,9 @@ async def _complete(
         raw = await read_body(scope, receive, runtime.settings.max_body_bytes)
     except ClientGone:
         return  # nobody to answer; the key middleware still records the request's auth.success
-    request = parse_body(raw, schema)
-    reply = await completions.handle(runtime, scope["user"], request, kind, scope.get("auth"), receive)
+    # The body is validated after the tenant's rate gate: over its rate, a tenant is refused unread.
+    parse = functools.partial(parse_body, raw, schema)
+    reply = await completions.handle(runtime, scope["user"], parse, kind, scope.get("auth"), receive)
     if reply is not None:  # else the client left while it was generated: aborted and settled
         await send_reply(reply, receive, send, runtime.settings.stream_stall_timeout_s)
 

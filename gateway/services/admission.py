@@ -36,7 +36,7 @@ from gateway.upstream.call import UPSTREAM_MODES, UpstreamCall, check_cache_fiel
 from gateway.upstream.table import Target
 from policies import Decision, Policy, RequestContext, evaluate
 
-__all__ = ["Admission", "admit", "chat_token_ids", "text_token_ids", "tokenize"]
+__all__ = ["Admission", "Gated", "admit", "gate", "chat_token_ids", "text_token_ids", "tokenize"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,15 +116,29 @@ def _check_mode_available(engine: Any, mode: str, requested: str | None) -> None
     )
 
 
-async def _policy(
-    rt: Runtime, principal: Principal, req: ChatCompletionRequest | CompletionRequest, target: Target | None
-) -> Policy:
+@dataclass(frozen=True, slots=True)
+class Gated:
+    """A request past its tenant's gate: the policy read for it, and its place in the gate's counts,
+    which whatever refuses it later gives back (``hold.give``)."""
+
+    policy: Policy
+    hold: Hold
+
+
+async def gate(rt: Runtime, principal: Principal) -> Gated:
+    """The first check of a completion request, before its body is validated: the tenant's concurrency
+    and request-rate limits as this process knows them (``QuotaService.gate``). A tenant over them gets
+    its 429 without the server paying for anything that grows with the request.
+
+    Raises:
+        QuotaExceeded: At ``max_concurrent_requests`` or ``requests_per_minute`` (429).
+    """
     policy = principal.policy  # read with the key, in the same query
     if policy is None:
         async with rt.sessionmaker() as session:
             policy = await current_policy(session, principal.tenant_id, rt.settings.default_policy)
-    check_cache_fields(req, policy, target)
-    return policy
+    hold = rt.quota.gate.take(principal.tenant_id, policy, time.time(), rt.overload.tenant_wait_s)
+    return Gated(policy, hold)
 
 
 def _max_prompt_tokens(policy: Policy, max_model_len: int) -> int:
@@ -232,11 +246,13 @@ async def admit(
     req: ChatCompletionRequest | CompletionRequest,
     kind: str,
     auth_event: DeferredEvent | None = None,
+    gated: Gated | None = None,
 ) -> Admission:
     """Check the request against the tenant's policy and quotas and reserve its worst-case tokens.
 
     Cheapest checks first, so that a refusal costs less than what it refuses: the concurrency and
-    request-rate limits as this process knows them (``QuotaService.gate``), a place in the engine
+    request-rate limits as this process knows them (``gate``: ``gated`` when the caller passed it
+    before validating the body), the model and the policy's feature checks, a place in the engine
     (``Runtime.overload``), the prompt's bytes, then its tokens, the policy and the reservation.
     ``auth_event``, the request's ``auth.success`` when the middleware deferred it, is recorded in the
     reservation's transaction (unrecorded if refused).
@@ -249,16 +265,16 @@ async def admit(
         EngineOverloaded: Every place in the engine is taken (503 with ``Retry-After``).
         AuditUnavailableError: The admission could not be audited (503; the reservation is released).
     """
+    gated = gated if gated is not None else await gate(rt, principal)
+    policy, hold, place = gated.policy, gated.hold, None
     request_id = uuid.uuid4().hex
-    # From here on every log line carries the request id, and the prompt is scrubbed wherever it shows up.
-    bind_request_context(request_id=request_id)
-    register_sensitive(*retention.prompt_texts(req))
-    target = find_target(rt.routes, rt.engine.model_name, req.model)
-    policy = await _policy(rt, principal, req, target)
-    found = constraint(req, policy, principal.tenant_id or "")  # the policy's feature checks: cheap, first
-    hold = rt.quota.gate.take(principal.tenant_id, policy, time.time(), rt.overload.tenant_wait_s)
-    place = None
     try:
+        # From here on every log line carries the request id, and the prompt is scrubbed wherever it shows.
+        bind_request_context(request_id=request_id)
+        register_sensitive(*retention.prompt_texts(req))
+        target = find_target(rt.routes, rt.engine.model_name, req.model)
+        check_cache_fields(req, policy, target)
+        found = constraint(req, policy, principal.tenant_id or "")  # the policy's feature checks: cheap
         if target is None:  # an upstream pool has no place to give: its servers queue or answer 503
             place = rt.overload.take()  # after the tenant's own limits: over them, the answer is its 429
         prompt_ids, decision = await _decide(rt, principal, policy, req, target)
@@ -272,7 +288,7 @@ async def admit(
         fields["prompt_hash"] = prompt_hash = rt.prompt_hash(prompt_ids)
         reservation, info = await _reserve_audited(rt, principal, policy, decision, fields, auth_event, hold)
     except BaseException:
-        hold.give()  # what refused the request after the gates gives its places back
+        hold.give()  # what refused the request after the gate gives its places back
         if place is not None:
             place.give(is_finished=False)
         raise

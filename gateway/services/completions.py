@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import structlog
 from litestar.types import Receive
@@ -24,13 +24,14 @@ from gateway.errors import (
 )
 from gateway.runtime import Runtime
 from gateway.schemas.openai import ChatCompletionRequest, CompletionRequest
-from gateway.services.admission import Admission, admit
+from gateway.services.admission import Admission, admit, gate
 from gateway.services.keys import Principal
 from gateway.services.settlement import Progress, finish, finish_soon, until_committed
 from gateway.tool_calls import CallParser
 from gateway.upstream import backend as upstream_backend
 
 log = structlog.get_logger()
+T = TypeVar("T")
 ENGINE_RETRY_AFTER_S = 5  # about a restarted engine's start-up on the default model
 
 
@@ -198,15 +199,12 @@ async def _stream(
         await gen.aclose()  # a request that did not end is aborted (the settlement aborts it too)
 
 
-async def _admit_audited(
-    rt: Runtime,
-    principal: Principal,
-    req: ChatCompletionRequest | CompletionRequest,
-    kind: str,
-    auth_event: DeferredEvent | None,
-) -> Admission:
+async def _audited(rt: Runtime, principal: Principal, kind: str, auth_event: DeferredEvent | None,
+                   step: Awaitable[T]) -> T:
+    """``await step`` (a step of admission), recording a refusal: ``request.rejected``, after the
+    deferred ``auth.success``."""
     try:
-        return await admit(rt, principal, req, kind, auth_event)
+        return await step
     except ClientError as e:
         if auth_event is not None:  # in order: the key was good, then the request was refused
             await auth_event.flush(rt.audit)
@@ -228,7 +226,7 @@ async def _admit_audited(
 async def handle(
     rt: Runtime,
     principal: Principal,
-    req: ChatCompletionRequest | CompletionRequest,
+    parse: Callable[[], ChatCompletionRequest | CompletionRequest],
     kind: str,
     auth_event: DeferredEvent | None = None,
     receive: Receive | None = None,
@@ -236,8 +234,16 @@ async def handle(
     """Admit, run and answer one completion request (``kind`` is ``chat`` or ``text``); ``auth_event`` is
     the request's deferred ``auth.success`` (see ``gateway.auth.DEFER_AUTH_AUDIT``). The reply settles
     the request's usage once sent (``gateway.asgi_io.send_reply``). With the connection's ``receive``,
-    a whole response's generation is aborted (and settled) when its client leaves: ``None`` then."""
-    adm = await _admit_audited(rt, principal, req, kind, auth_event)
+    a whole response's generation is aborted (and settled) when its client leaves: ``None`` then.
+    ``parse`` validates the request's body once the tenant is past its rate gate (``admission.gate``):
+    a tenant over its rate is refused without the server validating what it sent."""
+    gated = await _audited(rt, principal, kind, auth_event, gate(rt, principal))
+    try:
+        req = parse()  # its 400 is not a rejected request (nothing of it was read): the gate's place back
+    except BaseException:
+        gated.hold.give()
+        raise
+    adm = await _audited(rt, principal, kind, auth_event, admit(rt, principal, req, kind, auth_event, gated))
     backend = BUILTIN if adm.upstream is None else UPSTREAM
     if not req.stream:
         if receive is None:
