@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import os
 import secrets
 import threading
@@ -10,7 +11,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import ExitStack, asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 from litestar.testing import AsyncTestClient
@@ -163,12 +164,29 @@ def shared_server(tmp_path_factory: pytest.TempPathFactory,
         yield get
 
 
-@pytest.fixture(scope="session")
-def event_loop_policy() -> asyncio.AbstractEventLoopPolicy:
-    """The gateway's tests run on uvloop, as ``kvgate serve`` (uvicorn) does."""
+def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> dict[str, Callable[[], Any]]:
+    """The gateway's tests run on uvloop, as ``kvgate serve`` (uvicorn) does (pytest-asyncio's hook; its
+    ``event_loop_policy`` fixture, which did this before, is deprecated)."""
     import uvloop
 
-    return uvloop.EventLoopPolicy()
+    return {"uvloop": uvloop.new_event_loop}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every coroutine test here checks its loop (``_on_uvloop``): a loop set up some other way would
+    otherwise go unnoticed, the tests passing on asyncio's own loop."""
+    here = Path(__file__).parent
+    for item in items:
+        if item.path.is_relative_to(here) and inspect.iscoroutinefunction(getattr(item, "obj", None)):
+            item.fixturenames.append("_on_uvloop")
+
+
+@pytest.fixture
+async def _on_uvloop() -> None:
+    import uvloop
+
+    loop = asyncio.get_running_loop()
+    assert isinstance(loop, uvloop.Loop), f"an in-process gateway test runs on {type(loop)}, not uvloop"
 
 
 @pytest.fixture(scope="session")
