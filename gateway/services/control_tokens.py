@@ -54,9 +54,10 @@ class ControlTokens:
 
     def escape(self, text: str) -> str:
         """``text`` with each special-token string (and the escape character) in its escaped form."""
-        if not any(start in text for start in self._starts):
-            return text
-        return self._find.sub(lambda m: ESC + self._codes[m.group()], text)
+        for start in self._starts:
+            if start in text:
+                return self._find.sub(lambda m: ESC + self._codes[m.group()], text)
+        return text
 
     def escape_all(self, value: Any) -> Any:
         """``value`` (strings, lists and dicts of them, keys included) with every string escaped."""
