@@ -84,23 +84,24 @@ def _header_list(first: tuple[bytes, bytes], headers: Mapping[str, str]) -> list
 
 async def send_reply(reply: WholeReply | StreamReply, receive: Receive, send: Send,
                      stall_timeout_s: float = 30.0) -> None:
-    """Send ``reply`` with status 200. A client that takes none of it for ``stall_timeout_s`` (its
-    socket's buffers stay full) is dropped: a stream's generation is aborted and settled."""
-    send = _deadlined(send, stall_timeout_s)
+    """Send ``reply`` with status 200. A stream's client that takes none of it for ``stall_timeout_s``
+    (its socket's buffers stay full) is dropped, and the stream's generation aborted and settled.
+
+    A whole reply's body is one ``send``, which the server's edge (``gateway.http_protocol``) writes in
+    pieces as the client takes them, each within its write deadline: its generation is over already,
+    so only the connection's write deadline bounds it (a stall deadline on that one ``send`` would time
+    the whole body, cutting off a slow client that keeps reading)."""
     if isinstance(reply, StreamReply):
         try:
-            await _send_stream(reply, receive, send)
+            await _send_stream(reply, receive, _deadlined(send, stall_timeout_s))
         except ClientStalled:
             log.warning("reply.client_stalled", stall_timeout_s=stall_timeout_s)
         return
     content = encode_json(reply.body)
     headers = _header_list(_JSON, reply.headers)
     headers.append((b"content-length", str(len(content)).encode()))
-    try:
-        await send({"type": "http.response.start", "status": 200, "headers": headers})
-        await send({"type": "http.response.body", "body": content, "more_body": False})
-    except ClientStalled:
-        log.warning("reply.client_stalled", stall_timeout_s=stall_timeout_s)
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
+    await send({"type": "http.response.body", "body": content, "more_body": False})
     if reply.after is not None:
         await asyncio.shield(reply.after)
 

@@ -87,8 +87,9 @@ class Settings(BaseSettings):
             deterministic algorithms, switched on only for the steps that hold them; ``batch_invariant``
             builds and self-checks its kernels at start-up. A request (or tenant default) asking for a
             mode not served gets a 400.
-        stream_stall_timeout_s: A client that takes nothing of its reply for this long (its socket's
-            buffers stay full) is dropped, its generation aborted and what it produced settled.
+        stream_stall_timeout_s: A client that takes nothing of its stream for this long (its socket's
+            buffers stay full) is dropped, its generation aborted and what it produced settled (a whole
+            reply is timed by ``http_write_timeout_s``).
         shutdown_grace_s: On SIGTERM or SIGINT, how long the requests in flight may take to finish; new
             requests meanwhile get a 503 ``shutting_down`` (``/readyz`` too). What still runs after it is
             ended (a stream with a final error event, a whole request with that 503) and settled, then
@@ -102,7 +103,17 @@ class Settings(BaseSettings):
         http_keep_alive_s: How long an idle kept-alive connection waits for its next request.
         http_max_connections: Open connections the server holds; one more is answered 503 and closed.
         http_max_connections_per_peer: Open connections one client address may hold (behind a proxy, every
-            client has the proxy's address: raise it to ``http_max_connections`` there).
+            client has the proxy's address: raise it to ``http_max_connections`` there). Both caps count a
+            connection from the moment it is accepted, its TLS handshake included, and count IPv6 clients
+            by their /64.
+        http_tls_handshake_timeout_s: Time a connection has to finish its TLS handshake once accepted;
+            then it is dropped (asyncio's own default is 60 s).
+        http_write_timeout_s: Time a client may leave a full write buffer untaken (or, once its
+            connection is being closed, leave anything untaken); then the connection is reset, its
+            request (if one runs) ends as a disconnect, and the buffered reply is dropped.
+        http_max_write_buffer_bytes: Reply bytes the server buffers for one connection: a reply is
+            handed to the connection in pieces of half this and each waits until the buffer is empty
+            (the TLS records' overhead comes on top).
         max_prompt_bytes_per_token: The byte cap checked before tokenizing: a prompt whose text has more
             than this many UTF-8 bytes per token it may have (its tenant's and the model's limits) is
             refused unread. ``None``: the tokenizer's longest token, which no prompt that fits exceeds.
@@ -161,6 +172,9 @@ class Settings(BaseSettings):
     http_keep_alive_s: float = Field(default=5.0, gt=0)
     http_max_connections: int = Field(default=1024, ge=1)
     http_max_connections_per_peer: int = Field(default=64, ge=1)
+    http_tls_handshake_timeout_s: float = Field(default=10.0, gt=0)
+    http_write_timeout_s: float = Field(default=30.0, gt=0)
+    http_max_write_buffer_bytes: int = Field(default=262_144, ge=16_384, le=67_108_864)
     # Admission and authentication-failure limits (docs/security.md).
     max_prompt_bytes_per_token: int | None = Field(default=None, ge=1)
     tokenize_threads: int = Field(default=2, ge=1, le=64)

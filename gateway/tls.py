@@ -1,8 +1,9 @@
-"""Self-signed CA and server certificate, generated into the data dir on first start."""
+"""TLS: a self-signed CA and server certificate made into the data dir on first start; the server context."""
 
 from __future__ import annotations
 
 import ipaddress
+import ssl
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -127,3 +128,15 @@ def ensure_tls(data_dir: Path, extra_hosts: tuple[str, ...] = ()) -> TlsFiles:
     write_secret(ca_path, ca_pem, mode=0o644)
     write_secret(server_path, cert.public_bytes(serialization.Encoding.PEM) + ca_pem, mode=0o644)
     return TlsFiles(server_path, server_key, ca_path, fingerprint(ca_path))
+
+
+def server_context(cert: Path, key: Path) -> ssl.SSLContext:
+    """The TLS context ``kvgate serve`` answers handshakes with (TLS 1.2 and up, OpenSSL's default ciphers).
+
+    Handed to the edge protocol (``gateway.http_protocol``), which makes each handshake itself, under its
+    deadline, once the connection is counted; uvicorn's listener is given no certificate.
+    """
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.load_cert_chain(cert, key)
+    return context

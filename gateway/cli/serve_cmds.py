@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import ssl
 from pathlib import Path
 from typing import IO, Annotated, Any
 
@@ -53,7 +54,7 @@ def serving_app(settings: Settings) -> Any:
     return application
 
 
-def _run_server(settings: Settings, tls: dict[str, str]) -> None:
+def _run_server(settings: Settings, tls: ssl.SSLContext | None) -> None:
     """Serve until a signal has drained the server (``gateway.drain``); exit 3 if it never started."""
     import uvicorn
 
@@ -61,7 +62,7 @@ def _run_server(settings: Settings, tls: dict[str, str]) -> None:
 
     application = serving_app(settings)
     drain = Drain(application)
-    config = uvicorn.Config(drain, **uvicorn_options(settings), **tls)
+    config = uvicorn.Config(drain, **uvicorn_options(settings, tls))
     server = DrainingServer(config, drain, application.state.runtime, settings.shutdown_grace_s)
     server.run()
     if not server.started:
@@ -73,10 +74,11 @@ def _run_server(settings: Settings, tls: dict[str, str]) -> None:
     exit_without_finalizing()
 
 
-def uvicorn_options(settings: Settings) -> dict[str, Any]:
-    """``uvicorn.run`` options besides TLS. ``log_config=None``: uvicorn's default dictConfig would give
-    its loggers plain-text handlers of their own, bypassing redaction; they propagate to root instead.
-    ``ws="none"``: no route speaks WebSocket, and an upgraded connection would leave the edge limits."""
+def uvicorn_options(settings: Settings, tls: ssl.SSLContext | None = None) -> dict[str, Any]:
+    """``uvicorn.run`` options. ``log_config=None``: uvicorn's default dictConfig would give its loggers
+    plain-text handlers of their own, bypassing redaction; they propagate to root instead.
+    ``ws="none"``: no route speaks WebSocket, and an upgraded connection would leave the edge limits.
+    ``tls`` goes to the edge protocol, which makes the handshakes (uvicorn gets no certificate)."""
     from gateway.http_protocol import EdgeHttpToolsProtocol, EdgeLimits
 
     limits = EdgeLimits(
@@ -85,6 +87,9 @@ def uvicorn_options(settings: Settings) -> dict[str, Any]:
         body_timeout_s=settings.http_body_timeout_s,
         max_connections=settings.http_max_connections,
         max_connections_per_peer=settings.http_max_connections_per_peer,
+        tls_handshake_timeout_s=settings.http_tls_handshake_timeout_s,
+        write_timeout_s=settings.http_write_timeout_s,
+        max_write_buffer_bytes=settings.http_max_write_buffer_bytes,
     )
     return {
         "host": settings.host,
@@ -97,26 +102,26 @@ def uvicorn_options(settings: Settings) -> dict[str, Any]:
         "timeout_keep_alive": settings.http_keep_alive_s,
         "h11_max_incomplete_event_size": settings.http_max_header_bytes,  # were h11 ever chosen instead
         "ws": "none",
-        "http": EdgeHttpToolsProtocol.bind(limits),
+        "http": EdgeHttpToolsProtocol.bind(limits, tls),
     }
 
 
-def _tls_kwargs(settings: Settings) -> dict[str, str]:
+def _tls_context(settings: Settings) -> ssl.SSLContext | None:
+    from gateway.tls import ensure_tls, server_context
+
     log = structlog.get_logger()
     if settings.insecure_http:
         log.warning(
             "serve.insecure_http", message="serving plain HTTP; use only behind a TLS-terminating proxy"
         )
-        return {}
+        return None
     if settings.tls_cert and settings.tls_key:
-        return {"ssl_certfile": str(settings.tls_cert), "ssl_keyfile": str(settings.tls_key)}
-    from gateway.tls import ensure_tls
-
+        return server_context(settings.tls_cert, settings.tls_key)
     files = ensure_tls(settings.data_dir, (settings.host,))
     typer.echo(f"TLS CA certificate: {files.ca_cert}", err=True)
     typer.echo(f"TLS CA SHA-256 fingerprint: {files.ca_fingerprint}", err=True)
     typer.echo(f"clients: export SSL_CERT_FILE={files.ca_cert}", err=True)
-    return {"ssl_certfile": str(files.cert), "ssl_keyfile": str(files.key)}
+    return server_context(files.cert, files.key)
 
 
 @app.command("serve")
@@ -177,6 +182,18 @@ def serve(
         float | None,
         typer.Option(help="Seconds a client may take nothing of its reply (KVGATE_STREAM_STALL_TIMEOUT_S)."),
     ] = None,
+    http_tls_handshake_timeout_s: Annotated[
+        float | None,
+        typer.Option(help="Seconds to finish the TLS handshake (KVGATE_HTTP_TLS_HANDSHAKE_TIMEOUT_S)."),
+    ] = None,
+    http_write_timeout_s: Annotated[
+        float | None,
+        typer.Option(help="Seconds a client may leave its reply untaken (KVGATE_HTTP_WRITE_TIMEOUT_S)."),
+    ] = None,
+    http_max_write_buffer_bytes: Annotated[
+        int | None,
+        typer.Option(help="Reply bytes buffered per connection (KVGATE_HTTP_MAX_WRITE_BUFFER_BYTES)."),
+    ] = None,
 ) -> None:
     """Run the HTTPS gateway and its engine, a supervised child process (migrates the database first)."""
     from gateway.storage import migrate
@@ -206,13 +223,19 @@ def serve(
         http_max_connections=http_max_connections,
         http_max_connections_per_peer=http_max_connections_per_peer,
         stream_stall_timeout_s=stream_stall_timeout_s,
+        http_tls_handshake_timeout_s=http_tls_handshake_timeout_s,
+        http_write_timeout_s=http_write_timeout_s,
+        http_max_write_buffer_bytes=http_max_write_buffer_bytes,
     )
     configure_serve_logging(settings)
     try:
         prepare_data_dir(settings)
-        tls = _tls_kwargs(settings)
+        tls = _tls_context(settings)
     except UnsafeSecretPath as e:
         typer.echo(f"kvgate: {e}", err=True)
+        raise typer.Exit(1) from e
+    except OSError as e:  # a given certificate or key that cannot be read or used (ssl.SSLError too)
+        typer.echo(f"kvgate: cannot load the TLS certificate and key: {e}", err=True)
         raise typer.Exit(1) from e
     run(lambda: migrate.upgrade(settings.database_url))
     scheme = "http" if settings.insecure_http else "https"

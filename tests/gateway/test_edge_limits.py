@@ -1,15 +1,19 @@
-"""The HTTP edge of a real `kvgate serve` (TLS): head size and time, body time, idle time, connection caps."""
+"""The HTTP edge of a real `kvgate serve` (TLS): head size and time, body time, idle time, connection caps,
+TLS handshake time, and clients that never read."""
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import os
 import random
 import socket
 import ssl
+import struct
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +25,7 @@ import pytest
 from .served import issue_admin_token
 
 KVGATE = [sys.executable, "-c", "from gateway.cli import app; app()"]
-# Small limits, so that a slow client is cut off within seconds (the defaults are 10 s, 60 s, 5 s).
+# Small limits, so that a slow client is cut off within seconds (defaults: 10 s, 60 s, 5 s, 10 s, 30 s).
 LIMITS = {
     "KVGATE_HTTP_MAX_HEADER_BYTES": "4096",
     "KVGATE_HTTP_HEADER_TIMEOUT_S": "2",
@@ -29,8 +33,13 @@ LIMITS = {
     "KVGATE_HTTP_KEEP_ALIVE_S": "1",
     "KVGATE_HTTP_MAX_CONNECTIONS": "8",
     "KVGATE_HTTP_MAX_CONNECTIONS_PER_PEER": "4",
+    "KVGATE_HTTP_TLS_HANDSHAKE_TIMEOUT_S": "3",
+    "KVGATE_HTTP_WRITE_TIMEOUT_S": "2",
+    "KVGATE_HTTP_MAX_WRITE_BUFFER_BYTES": "65536",
 }
-CLOSE_WITHIN_S = 6.0  # a 1-2 s limit, plus room for a loaded machine; the old server held them for good
+HANDSHAKE_S = 3.0
+CLOSE_WITHIN_S = 6.0  # a 1-3 s limit, plus room for a loaded machine; the old server held them for good
+TCP_ESTABLISHED, TCP_CLOSE = 1, 7  # TCP_INFO states: open, and ended by a reset
 
 
 @dataclass(frozen=True)
@@ -209,40 +218,50 @@ def test_a_body_still_trickling_after_an_early_answer_is_cut_off(server: Server)
         assert got == b"" or _is_closed(sock, CLOSE_WITHIN_S)
 
 
-def _refused(sock: ssl.SSLSocket) -> bool:
-    """Answered 503 (or dropped) promptly, without having sent anything."""
-    sock.settimeout(CLOSE_WITHIN_S)
+def _refused(server: Server, source: str) -> bool:
+    """A connection from ``source`` is reset before its TLS handshake (or answered 503) promptly."""
     try:
-        status, body = _response(sock)
+        sock = server.connect(source)
     except TimeoutError:
-        return False  # held open
-    except (OSError, http.client.HTTPException):
+        return False
+    except OSError:  # reset at once (ssl.SSLError too): no handshake is spent on a connection over a cap
         return True
+    with sock:
+        sock.settimeout(CLOSE_WITHIN_S)
+        try:
+            status, body = _response(sock)
+        except TimeoutError:
+            return False  # held open
+        except (OSError, http.client.HTTPException):
+            return True
     return status == 503 and body["error"]["code"] == "too_many_connections"
+
+
+def _until_served(server: Server, *sources: str) -> None:
+    """Wait (at most ``CLOSE_WITHIN_S``) until ``/healthz`` answers each of ``sources``."""
+    deadline = time.monotonic() + CLOSE_WITHIN_S
+    while True:
+        try:
+            if all(server.healthz(source) == 200 for source in sources):
+                return
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, f"{sources} not served again"
+        time.sleep(0.1)
 
 
 def test_connections_are_capped_per_peer_and_per_server(server: Server) -> None:
     held: list[ssl.SSLSocket] = []
     try:
         held += [server.connect("127.0.0.6") for _ in range(4)]
-        with server.connect("127.0.0.6") as fifth:
-            assert _refused(fifth)
+        assert _refused(server, "127.0.0.6")
         assert server.healthz("127.0.0.7") == 200  # another address is still served
         held += [server.connect("127.0.0.7") for _ in range(4)]  # the server's 8
-        with server.connect("127.0.0.8") as ninth:
-            assert _refused(ninth)
+        assert _refused(server, "127.0.0.8")
         for sock in held:
             sock.close()
         held.clear()
-        deadline = time.monotonic() + CLOSE_WITHIN_S
-        while True:  # once the held ones are gone, both addresses are served again
-            try:
-                if server.healthz("127.0.0.6") == server.healthz("127.0.0.8") == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
+        _until_served(server, "127.0.0.6", "127.0.0.8")  # once the held ones are gone, both are served
     finally:
         for sock in held:
             sock.close()
@@ -257,10 +276,30 @@ def _client_hello() -> bytes:
     return outgoing.read()
 
 
+def _silent(server: Server, source: str) -> socket.socket:
+    """A TCP connection that sends nothing (no ClientHello)."""
+    sock = socket.socket()
+    sock.settimeout(10)
+    sock.bind((source, 0))
+    with contextlib.suppress(ConnectionResetError):  # refused so fast that connect() saw it
+        sock.connect(("127.0.0.1", server.port))
+    return sock
+
+
+def _tcp_state(sock: socket.socket) -> int:
+    """The kernel's state of ``sock`` (TCP_INFO), read without taking any of its bytes."""
+    return struct.unpack("B", sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1))[0]
+
+
+def _num_open(socks: list[socket.socket]) -> int:
+    return sum(_tcp_state(sock) == TCP_ESTABLISHED for sock in socks)
+
+
 def test_malformed_tls_handshakes_leave_the_listener_serving(server: Server) -> None:
     """Many connections at once that never make a TLS session (garbage, a ClientHello cut in half, plain
     HTTP, a record header promising more than comes), some hung up and some held: the server answers
-    no plain HTTP, closes what it cannot parse, and serves a real client, from the same address too."""
+    no plain HTTP, closes what it cannot parse, resets those over the address's cap, serves a real
+    client from another address meanwhile, and from the same address once the held ones are gone."""
     hello = _client_hello()
     garbage = random.Random(0).randbytes(2048)
     http_head = b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
@@ -269,14 +308,16 @@ def test_malformed_tls_handshakes_leave_the_listener_serving(server: Server) -> 
     try:
         for payload in payloads:
             for _ in range(50):
-                sock = socket.create_connection(("127.0.0.1", server.port), timeout=10,
-                                                source_address=("127.0.0.9", 0))
-                sock.sendall(payload)
+                sock = _silent(server, "127.0.0.9")
                 held.append(sock)
+                try:
+                    sock.sendall(payload)
+                except OSError:  # reset already: one over the address's cap
+                    pass
         for sock in held[1::2]:  # half hang up mid-handshake
             sock.close()
         held = held[::2]
-        assert server.healthz("127.0.0.9") == server.healthz() == 200
+        assert server.healthz() == 200
         admin = {"Authorization": f"Bearer {server.admin_token}"}
         with httpx.Client(verify=str(server.ca), timeout=10, headers=admin) as client:
             r = client.get(f"{server.base}/admin/v1/tenants")
@@ -287,7 +328,80 @@ def test_malformed_tls_handshakes_leave_the_listener_serving(server: Server) -> 
     finally:
         for sock in held:
             sock.close()
-    assert server.healthz("127.0.0.9") == 200
+    _until_served(server, "127.0.0.9")
+
+
+def test_silent_connections_are_capped_per_address_and_cut_at_the_handshake_deadline(server: Server) -> None:
+    """200 TCP connections from one address that never send a ClientHello: those beyond the address's
+    cap are reset at once (no handshake started), the rest are cut when their handshake time runs out,
+    and other addresses are served throughout. (Before: all 200 were held, uncounted, for 60 s.)"""
+    socks = [_silent(server, "127.0.0.10") for _ in range(200)]
+    try:
+        start = time.monotonic()
+        while _num_open(socks) > 4:  # the per-address cap
+            assert time.monotonic() - start < HANDSHAKE_S, f"{_num_open(socks)} still open"
+            time.sleep(0.05)
+        assert 1 <= _num_open(socks) <= 4  # the cap's worth held, until the deadline
+        states = Counter(_tcp_state(s) for s in socks)
+        assert set(states) <= {TCP_ESTABLISHED, TCP_CLOSE}, states  # the others reset, not answered
+        assert server.healthz() == 200
+        assert _refused(server, "127.0.0.10")  # the address is at its cap
+        while _num_open(socks):
+            assert time.monotonic() - start < HANDSHAKE_S + CLOSE_WITHIN_S, f"{_num_open(socks)} held"
+            assert server.healthz() == 200
+            time.sleep(0.1)
+        assert time.monotonic() - start > HANDSHAKE_S * 0.8  # cut at the deadline, not before
+    finally:
+        for sock in socks:
+            sock.close()
+    assert server.healthz("127.0.0.10") == 200
+
+
+def test_a_slow_tls_handshake_is_cut_at_its_deadline(server: Server) -> None:
+    """A ClientHello sent a byte every quarter second never finishes: the connection is dropped when
+    the handshake deadline runs out. (Before: asyncio's 60 s, reset by nothing.)"""
+    hello = _client_hello()
+    with _silent(server, "127.0.0.11") as sock:
+        start = time.monotonic()
+        for byte in hello:
+            if _tcp_state(sock) != TCP_ESTABLISHED or _recv(sock, 0.25) is not None:  # type: ignore[arg-type]
+                break
+            assert time.monotonic() - start < HANDSHAKE_S + CLOSE_WITHIN_S, "a slow handshake still held"
+            try:
+                sock.sendall(bytes([byte]))
+            except OSError:
+                break
+        else:
+            pytest.fail("the whole ClientHello went in: send it slower")
+        assert HANDSHAKE_S * 0.8 < time.monotonic() - start < HANDSHAKE_S + CLOSE_WITHIN_S
+
+
+def test_a_pipelining_client_that_never_reads_is_reset_at_the_write_deadline(server: Server) -> None:
+    """A client with a small receive buffer pipelines megabytes of whole replies (the OpenAPI schema,
+    ~100 KB each) and never reads: once the socket buffers are full and it has taken nothing for the
+    write deadline, its connection is reset, while others are served. (Before: the server waited on the
+    socket for good, holding the connection and the replies it had buffered.)"""
+    with httpx.Client(verify=str(server.ca), timeout=10) as client:
+        size = len(client.get(f"{server.base}/schema", headers=_admin(server)).content)
+    raw = socket.socket()
+    raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    raw.bind(("127.0.0.12", 0))
+    raw.connect(("127.0.0.1", server.port))
+    tls = ssl.create_default_context(cafile=str(server.ca))
+    with tls.wrap_socket(raw, server_hostname="127.0.0.1") as sock:
+        head = f"GET /schema HTTP/1.1\r\nHost: a\r\nAuthorization: Bearer {server.admin_token}\r\n\r\n"
+        sock.sendall(head.encode() * (8_000_000 // size + 1))  # well past loopback's ~3 MB of buffers
+        start = time.monotonic()
+        while _tcp_state(sock) == TCP_ESTABLISHED:
+            assert time.monotonic() - start < 2 * CLOSE_WITHIN_S, "a client that never reads still held"
+            assert server.healthz() == 200
+            time.sleep(0.1)
+        assert _tcp_state(sock) == TCP_CLOSE  # reset (its unsent bytes dropped), not closed in order
+    assert server.healthz("127.0.0.12") == 200
+
+
+def _admin(server: Server) -> dict[str, str]:
+    return {"Authorization": f"Bearer {server.admin_token}"}
 
 
 def test_serve_keeps_its_data_dir_private(server: Server) -> None:

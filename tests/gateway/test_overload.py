@@ -16,9 +16,10 @@ import pytest
 from tests.gateway.served import Served, serve
 
 pytestmark = pytest.mark.timeout(600)
-# One running sequence and one queued request: two places.
+# One running sequence and one queued request: two places. The held streams' clients never read: neither
+# deadline for such a client (the stream's stall, the connection's write) may end them during the test.
 ARGS = ("--max-num-seqs", "1", "--num-kv-blocks", "1024", "--determinism-modes", "fast",
-        "--stream-stall-timeout-s", "120")
+        "--stream-stall-timeout-s", "120", "--http-write-timeout-s", "120")
 NUM_PLACES = 2
 DRAIN_TIMEOUT_S = 180.0
 
