@@ -4,6 +4,7 @@ batched token masks that keep each constrained row of a step inside its grammar.
 from __future__ import annotations
 
 import asyncio
+import json
 import sys
 import threading
 import weakref
@@ -29,18 +30,34 @@ _LIMITS = dict(initial_lexer_fuel=2_000_000, step_lexer_fuel=400_000, max_gramma
 _JSON_OPTIONS = dict(whitespace_flexible=False, item_separator=", ", key_separator=": ")
 
 
+# No grammar forces its bytes as tokens. Where a grammar allows one continuation only, llguidance would
+# tokenize it with the model's tokenizer and allow that tokenization's first token alone; but a byte-level
+# vocabulary may lack bytes (the default model has no token holding 0x04, 0x06, 0x13, 0x14, 0x16 or 0x1d,
+# nor the lead bytes of U+40000 and up), which its tokenizer drops without a word, so the forced token
+# skips them and the matcher then refuses it. Unforced, every mask is the token-trie walk that
+# consume_token checks against. Last in the text: a caller's own directive merges before it.
+_NO_FORCING = '\n%llguidance {"no_forcing": true}\n'
+
+
 def grammar_text(structured: StructuredOutput) -> str:
-    """The llguidance grammar of a spec (not yet checked: ``LLMatcher`` checks it)."""
+    """The llguidance grammar (Lark) of a spec (not yet checked: ``LLMatcher`` checks it)."""
     kind = structured.kind
-    if kind == "json_object":
-        return llguidance.LLMatcher.grammar_from_json_schema('{"type": "object"}', overrides=_JSON_OPTIONS)
-    if kind == "json_schema":
-        return llguidance.LLMatcher.grammar_from_json_schema(structured.json_schema, overrides=_JSON_OPTIONS)
-    if kind == "regex":
-        return llguidance.LLMatcher.grammar_from_regex(structured.regex)
-    if kind == "choice":
-        return llguidance.grammar_from("choice", list(structured.choice))
-    return llguidance.grammar_from("grammar", structured.grammar)
+    if kind in ("json_object", "json_schema"):
+        schema = structured.json_schema if kind == "json_schema" else '{"type": "object"}'
+        only = _only(llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=_JSON_OPTIONS))
+        lark = "start: %json " + json.dumps(only["json_schema"])
+    elif kind == "regex":
+        lark = _only(llguidance.LLMatcher.grammar_from_regex(structured.regex))["lark_grammar"]
+    elif kind == "choice":
+        lark = llguidance.grammar_from("choice", list(structured.choice))
+    else:
+        lark = llguidance.grammar_from("grammar", structured.grammar)
+    return lark + _NO_FORCING
+
+
+def _only(top_level: str) -> dict:
+    """The one grammar of an llguidance top-level grammar (JSON)."""
+    return json.loads(top_level)["grammars"][0]
 
 
 class GrammarCompiler:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from engine.determinism import FAST, token_hash_chain
 from engine.detokenizer import IncrementalDetokenizer
+from engine.errors import StructuredOutputError
 from engine.request import (
     RequestDelta,
     RequestMetrics,
@@ -13,6 +14,8 @@ from engine.request import (
     Sequence,
     TokenLogprobs,
 )
+
+_NO_TOKEN = "NoExtensionBias"  # llguidance's stop reason when a mask allows no token
 
 
 class _SampleText:
@@ -81,7 +84,19 @@ class RequestState:
     def _advance_grammar(seq: Sequence, token: int) -> bool:
         """Feed the grammar its sampled token; whether the grammar has ended (it allows nothing more).
 
-        The mask allowed only tokens the matcher accepts, so a refusal is a broken invariant."""
+        The mask allowed only tokens the matcher accepts, so a refusal is a broken invariant. A matcher
+        that stopped while computing that mask (no token of the vocabulary can go on: the grammar needs a
+        byte that no token holds) let only the end of text through, which would end the text unmatched:
+        the request fails, its own spec's fault.
+
+        Raises:
+            StructuredOutputError: The grammar can go no further with this model's vocabulary.
+        """
+        if seq.matcher.is_error():
+            error = seq.matcher.get_error().partition("\n")[0]
+            why = "no token of this model's vocabulary can continue it" if error == _NO_TOKEN else error
+            raise StructuredOutputError(f"the structured output stopped after {seq.num_output_tokens - 1} "
+                                        f"token(s): {why}")
         if not seq.matcher.consume_token(token):
             raise RuntimeError(f"the grammar refused its own sampled token {token}: "
                                f"{seq.matcher.get_error()}")

@@ -36,7 +36,9 @@ class StepGuard:
             num_faulted = sum(isinstance(err, RequestFailedError) for err in e.failed.values())
             if num_faulted:
                 self.engine.stats_tracker.record_failed_step(num_faulted)
-            self.num_failed_steps = self.num_failed_steps + 1 if e.is_total else 0
+            # counted only with a fault among them: requests that all failed by their own input (say, a
+            # grammar no token can continue) say nothing of the engine, and must not get it replaced
+            self.num_failed_steps = self.num_failed_steps + 1 if e.is_total and num_faulted else 0
             if self.num_failed_steps >= MAX_FAILED_STEPS:
                 raise RuntimeError(f"{MAX_FAILED_STEPS} engine steps in a row failed every request "
                                    f"they ran") from e
