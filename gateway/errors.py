@@ -70,6 +70,13 @@ class ShuttingDown(ServiceUnavailable):
     default_code = "shutting_down"
 
 
+class RequestFailed(GatewayError):
+    """The engine failed this request alone (a fault in a step it was part of) and serves on: a 500, with
+    no Retry-After, since the same request may fail the same way; a real outage is a 503."""
+
+    default_code = "request_failed"
+
+
 class ClientError(GatewayError):
     status_code = 400
     error_type = "invalid_request_error"

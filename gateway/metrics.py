@@ -46,7 +46,7 @@ class _EngineCollector(Collector):
             "kvgate_engine_failed_steps", "Engine steps that failed requests by a fault while the engine "
             "served on (since its process started)", value=getattr(s, "num_failed_steps", 0))
         yield CounterMetricFamily(
-            "kvgate_engine_failed_requests", "Requests those steps failed (each a 503 engine_unavailable)",
+            "kvgate_engine_failed_requests", "Requests those steps failed (each a 500 request_failed)",
             value=getattr(s, "num_failed_requests", 0))
         yield from _cache_counters(s)
         yield from _tenant_gauges(getattr(s, "tenants", {}))

@@ -9,7 +9,7 @@ from typing import Any, TypeVar
 import structlog
 from litestar.types import Receive
 
-from engine.errors import InvalidRequestError
+from engine.errors import InvalidRequestError, RequestFailedError, StructuredOutputError
 from gateway import openai_format as fmt
 from gateway.asgi_io import StreamReply, WholeReply, unless_client_leaves
 from gateway.audit_hook import DeferredEvent
@@ -17,7 +17,9 @@ from gateway.drain import RETRY_AFTER_S
 from gateway.errors import (
     ClientError,
     EngineOverloaded,
+    GatewayError,
     InvalidRequest,
+    RequestFailed,
     ServiceUnavailable,
     ShuttingDown,
     error_body,
@@ -63,22 +65,29 @@ async def _first(rt: Runtime, adm: Admission, progress: Progress) -> tuple[Async
         out = await anext(gen)
     except StopAsyncIteration:
         return gen, None
-    except InvalidRequestError as e:
-        raise InvalidRequest(str(e)) from None
-    except RuntimeError as e:
-        raise engine_unavailable(rt, adm, e) from None
+    except (InvalidRequestError, RuntimeError) as e:
+        raise engine_error(rt, adm, e) from None
     progress.last, progress.is_done = out, out.finished
     return gen, out
 
 
-def engine_unavailable(rt: Runtime, adm: Admission, e: BaseException) -> ServiceUnavailable:
-    """The client's answer when the engine failed a request: a generic 503 naming the request (the
-    server shutting down, once it ended what outlasted the grace period); what happened goes to the log
-    only."""
+def engine_error(rt: Runtime, adm: Admission, e: BaseException) -> GatewayError:
+    """The client's answer when the engine ended a request with ``e``: a 400 for the request's own input
+    (a structured output no token of the model can continue: ``invalid_schema``); a 500
+    ``request_failed`` for a request that failed alone (a fault in its step: the engine serves on, and
+    the same request may fail again, so no Retry-After); else a 503 ``engine_unavailable`` with
+    Retry-After (the engine died or is restarting: a retry can succeed), or the server shutting down
+    once it ended what outlasted the grace period. A 5xx names the request; what happened goes to the
+    log only."""
+    if isinstance(e, InvalidRequestError):
+        return InvalidRequest(str(e), code="invalid_schema" if isinstance(e, StructuredOutputError) else None)
     if rt.is_shutting_down:
         message = f"The server is shutting down; retry the request (request {adm.request_id})."
         return ShuttingDown(message, headers={"Retry-After": str(RETRY_AFTER_S)})
     log.error("engine.request_failed", request_id=adm.request_id, error_type=type(e).__name__, error=str(e))
+    if isinstance(e, RequestFailedError):
+        return RequestFailed(f"The request failed in the engine, which serves on; retrying the same "
+                             f"request may fail again (request {adm.request_id}).")
     return ServiceUnavailable(
         f"The engine is unavailable; retry shortly (request {adm.request_id}).",
         code="engine_unavailable",
@@ -94,8 +103,8 @@ async def _run_whole(rt: Runtime, adm: Admission) -> WholeReply:
             try:
                 async for out in gen:
                     progress.last, progress.is_done = out, out.finished
-            except RuntimeError as e:
-                raise engine_unavailable(rt, adm, e) from None
+            except (InvalidRequestError, RuntimeError) as e:
+                raise engine_error(rt, adm, e) from None
         await until_committed(adm)
     except BaseException:
         await finish(rt, adm, progress)
@@ -192,8 +201,8 @@ async def _stream(
             usage = fmt.usage_dict(*progress.usage(adm))
             yield fmt.sse(_chunk(adm, [], True, usage))
         yield fmt.SSE_DONE
-    except RuntimeError as e:  # the engine died mid-stream: tell the client in-band
-        err = engine_unavailable(rt, adm, e)
+    except (InvalidRequestError, RuntimeError) as e:  # the request ended mid-stream: say why, in-band
+        err = engine_error(rt, adm, e)
         yield fmt.sse(error_body(err.message, err.error_type, err.code))
     finally:
         await gen.aclose()  # a request that did not end is aborted (the settlement aborts it too)
