@@ -50,12 +50,13 @@ demo: model
 bench: model
 	$(BIN)/kvgate bench engine
 
-# Schemathesis against a real `kvgate serve`: the suite's fuzz test with many more, fresh examples
-# per operation (docs/operations.md); FUZZ_EXAMPLES=1000 for a longer run.
+# Schemathesis against a real `kvgate serve`, and structured-output specs against the default model's
+# tokenizer: the suite's fuzz tests with many more, fresh examples (docs/operations.md);
+# FUZZ_EXAMPLES=1000 for a longer run.
 FUZZ_EXAMPLES ?= 200
 fuzz: install
 	KVGATE_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) KVGATE_FUZZ_RANDOM=1 $(BIN)/python -m pytest -q -p no:cacheprovider \
-		--timeout=0 -s tests/gateway/test_fuzz.py
+		--timeout=0 -s tests/gateway/test_fuzz.py tests/engine/test_grammar_fuzz.py
 
 lint: install
 	$(BIN)/ruff check .

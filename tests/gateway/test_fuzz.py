@@ -31,7 +31,7 @@ from schemathesis.specs.openapi.checks import (
 
 from .served import Served, serve
 
-NUM_EXAMPLES = int(os.environ.get("KVGATE_FUZZ_EXAMPLES", "6"))
+NUM_EXAMPLES = int(os.environ.get("KVGATE_FUZZ_EXAMPLES", "20"))
 IS_RANDOM = os.environ.get("KVGATE_FUZZ_RANDOM") == "1"
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
 REQUEST_TIMEOUT_S = 60
