@@ -1,0 +1,69 @@
+"""One tenant never takes the server from another: against a real ``kvgate serve`` (process engine, uvloop,
+TLS) on the default model, a victim tenant's greedy stream keeps its pace while an attacker tenant keeps
+two requests in flight that use one per-request feature at its worst (``hostile.ATTACKS``)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from . import hostile
+from .served import Served, serve
+
+# The server's start (minutes on a loaded 2-core machine) counts against the first test.
+pytestmark = pytest.mark.timeout(600)
+
+VICTIM_TOKENS = 200
+MAX_GAP_S = 1.0        # the victim's longest wait between two chunks
+MIN_SHARE = 0.5        # of the tokens/s it has alone
+MIN_DEADLINE_S = 20.0  # a victim slower than this (or 4x its time alone) is cut off: it failed anyway
+# A stream's error event from the server's side (a 5xx's body: ``engine_unavailable``, ``request_failed``),
+# as the gateway writes it; a request refused for its own input is an ``invalid_request_error``.
+SERVER_ERROR = '"type":"server_error"'
+GRAMMAR_ATTACKS = {"regex_a1000x1000", "regex_fresh", "regex_ab500x500", "json_schema_pattern",
+                   "grammar_ambiguous"}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory,
+           default_model_dir: Path) -> Iterator[tuple[Served, tuple[str, str], str]]:
+    """``make serve``'s server but for the determinism modes: batch_invariant's start-up proof of its
+    kernels takes most of a start, and no request here asks for it."""
+    data_dir = tmp_path_factory.mktemp("hostile")
+    with serve(data_dir, default_model_dir, "--determinism-modes", "fast") as served:
+        keys = served.make_key("victim"), served.make_key("attacker")
+        r = httpx.get(f"{served.base}/v1/models", verify=str(served.ca),
+                      headers={"Authorization": f"Bearer {keys[0]}"})
+        yield served, keys, r.json()["data"][0]["id"]
+
+
+def _outages(log: hostile.AttackLog) -> list[str]:
+    """The attacker's replies that were a server error rather than its own request's: a 5xx, a dropped
+    connection, or a stream's error event of a 5xx."""
+    bad = [f"status {s}" for s in log.statuses if s >= 500 or s < 0]
+    return bad + [e for e in log.error_events if SERVER_ERROR in e]
+
+
+@pytest.mark.parametrize("attack", list(hostile.ATTACKS))
+def test_a_victims_stream_keeps_its_pace_under_attack(server, attack):
+    served, keys, model = server
+    base, ca = served.base, str(served.ca)
+    solo = asyncio.run(hostile.alone(base, ca, keys[0], model, VICTIM_TOKENS, 120))
+    assert solo.result.error is None and solo.result.num_completion_tokens == VICTIM_TOKENS, solo.describe()
+    deadline = max(MIN_DEADLINE_S, 4 * solo.result.latency_s)
+    run, log = asyncio.run(hostile.under_attack(base, ca, keys, model, attack, VICTIM_TOKENS, deadline))
+    summary = f"{attack}: alone {solo.describe()}; attacked {run.describe()}; attacker {log.statuses[:8]}"
+    print(summary)
+    assert run.result.error is None and run.result.num_completion_tokens == VICTIM_TOKENS, summary
+    assert run.max_gap_s <= MAX_GAP_S, summary
+    assert run.tokens_per_s >= MIN_SHARE * solo.tokens_per_s, summary
+    assert log.statuses, "the attacker sent nothing"
+    assert not _outages(log), (_outages(log)[:3], log.bodies[:3])
+    if attack in GRAMMAR_ATTACKS:  # refused at the door or run to the end: either way the request's own
+        assert all(s in (200, 400) for s in log.statuses), (log.statuses, log.bodies[:3])
+        assert not [b for b in log.bodies if '"param":null' in b], log.bodies[:3]  # a 400 names the field
+    assert len(log.health) >= 2 and all(h == 200 for h in log.health), log.health
