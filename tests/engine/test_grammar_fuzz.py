@@ -184,8 +184,11 @@ def test_requests_whose_grammar_cannot_be_followed_never_make_the_engine_give_up
     but by the requests' own specs."""
     guard = StepGuard(engine)
     for i in range(MAX_FAILED_STEPS + 1):
-        engine.add_request([40, 41], _params("\u001d", n=2), f"unwritable-{i}")
         errors = []
+        try:
+            engine.add_request([40, 41], _params("\u001d", n=2), f"unwritable-{i}")
+        except StructuredOutputError as e:  # an engine that knows the grammar fails may refuse it at once
+            errors.append(e)
         while engine.has_unfinished():
             errors += [out for _, out in guard.step() if isinstance(out, BaseException)]
         assert len(errors) == 1 and isinstance(errors[0], StructuredOutputError)
