@@ -95,6 +95,8 @@ class EngineConfig:
         invariant_backend: Kernels of ``batch_invariant`` mode: ``auto`` (the C++ kernel and tiled BLAS
             matmuls on the CPU, Triton kernels on CUDA), ``cpp`` or ``triton`` (on a CPU only under
             ``TRITON_INTERPRET=1``, for tests).
+        grammar_mask_deadline_s: How long a structured-output row's next-token mask may take (computed
+            off the step, in worker threads); a row whose mask is later fails alone with a clear error.
     """
 
     model: str | None = None
@@ -129,6 +131,7 @@ class EngineConfig:
     invariant_backend: str = "auto"
     cuda_graphs: bool = True
     overlap_steps: bool = True
+    grammar_mask_deadline_s: float = 1.0
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in _DTYPES:
@@ -165,6 +168,8 @@ class EngineConfig:
             raise ValueError(f"the default determinism {self.determinism!r} must be among determinism_modes")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError("num_kv_blocks must be positive")
+        if not self.grammar_mask_deadline_s > 0:
+            raise ValueError("grammar_mask_deadline_s must be positive")
 
     def guaranteed_blocks(self, num_blocks: int) -> int:
         """Each cache namespace's guaranteed cached blocks in a pool of ``num_blocks``."""

@@ -14,6 +14,7 @@ from engine.determinism import BATCH_INVARIANT
 from engine.errors import InvalidRequestError, RequestFailedError, StepError
 from engine.fair import TenantShare
 from engine.grammar import GrammarCompiler
+from engine.grammar_masks import GrammarMasks
 from engine.grammar_queue import GrammarQueue
 from engine.hashing import BlockHasher
 from engine.kv_cache_manager import KVCacheManager
@@ -68,8 +69,9 @@ class LLMEngine(WholeOutputs):
         mc = self.loaded.model_config
         self.overlap = StepOverlap(self.runner, self.scheduler, config.overlap_steps)
         self._held: SampledStep | None = None  # a decode step drawn ahead, recorded by the next call
+        self.masks = GrammarMasks(deadline_s=config.grammar_mask_deadline_s)
         self.grammars = GrammarQueue(GrammarCompiler(self.tokenizer, vocab_size=mc.vocab_size,
-                                                     eos_token_ids=self.loaded.eos_token_ids))
+                                                     eos_token_ids=self.loaded.eos_token_ids), self.masks)
 
     # ---- requests -------------------------------------------------------------------------------
     def add_request(self, prompt: str | Seq[int], params: SamplingParams | None = None,
@@ -134,6 +136,19 @@ class LLMEngine(WholeOutputs):
             self._schedule(seqs, share)
         failed.update(errors)
 
+    def _settle_masks(self, failed: dict[str, BaseException]) -> None:
+        """Wait briefly for grammar rows' next masks; end the rows whose mask failed or is overdue (their
+        errors into ``failed``) before the step is scheduled, so that only rows with a mask are drawn."""
+        errors = self.masks.settle([s for s in self.scheduler.running if s.matcher is not None])
+        for request_id in errors:
+            self._drop(request_id)
+        failed.update(errors)
+
+    def _wait_for_grammars(self) -> None:
+        """Nothing could run: wait a little for a grammar to compile or a held row's mask to be done."""
+        self.grammars.wait(_GRAMMAR_WAIT_S)
+        self.masks.wait_any([s for s in self.scheduler.running if s.matcher is not None], _GRAMMAR_WAIT_S)
+
     def abort(self, request_id: str) -> RequestOutput | None:
         """Abort a request, freeing its blocks at once. Unknown or finished ids are ignored."""
         delta = self.abort_delta(request_id)
@@ -191,11 +206,12 @@ class LLMEngine(WholeOutputs):
         if sampled is None:
             failed: dict[str, BaseException] = {}
             self._admit_compiled(failed)
+            self._settle_masks(failed)
             sched = self.scheduler.schedule()
             if sched.is_empty:
                 if failed:
                     raise StepError([], self._fail(failed), is_total=False)
-                self.grammars.wait(_GRAMMAR_WAIT_S)
+                self._wait_for_grammars()
                 return []
             self._zero_freed_blocks()  # freed while scheduling (preemption, eviction): before anyone writes
             t0 = time.perf_counter()
@@ -203,7 +219,9 @@ class LLMEngine(WholeOutputs):
             seqs, tokens, logprobs = self.runner.execute_isolating(sched.scheduled, failed)
             sampled = SampledStep(sched.scheduled, seqs, tokens, logprobs, failed,
                                   time.perf_counter() - t0, is_decode)
-        ahead = self.overlap.launch(sampled, len(self.grammars) > 0)  # runs while this one is recorded
+        # runs while this one is recorded; never with grammar rows (their next masks follow the recording)
+        ahead = self.overlap.launch(sampled, len(self.grammars) > 0
+                                    or any(s.matcher is not None for s in sampled.seqs))
         deltas, errors = self._record(sampled)
         if ahead is not None:
             self._held = self.overlap.draw(ahead)
@@ -220,6 +238,7 @@ class LLMEngine(WholeOutputs):
         # a held step's sequence may have been aborted since it was drawn (its id may even be reused)
         self._advance([(s, n) for s, n in sampled.scheduled if not s.is_finished], failed)
         touched: dict[str, RequestState] = {}
+        grammar_rows: list[list[Sequence]] = []
         for seq, token, lp in zip(sampled.seqs, sampled.tokens, sampled.logprobs, strict=True):
             if seq.request_id in failed or seq.is_finished:
                 continue
@@ -228,8 +247,11 @@ class LLMEngine(WholeOutputs):
                 status = state.append_token(seq, token, lp, now)
                 if status is not None:
                     self.scheduler.finish(seq, status)
+                elif seq.matcher is not None:
+                    grammar_rows.append([seq])
             except Exception as e:  # noqa: BLE001
                 failed.setdefault(seq.request_id, e)
+        self.masks.start(grammar_rows)  # their next masks compute while this step ends and the next begins
         deltas = self._make_deltas(touched, failed)
         errors = self._fail(failed)
         self._zero_freed_blocks()  # freed by finished requests: now, not when the next request comes

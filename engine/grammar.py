@@ -1,5 +1,6 @@
-"""Structured outputs on llguidance: specs compiled off the step path into cached matchers, and the
-batched token masks that keep each constrained row of a step inside its grammar."""
+"""Structured outputs on llguidance: specs compiled off the step path (per tenant, in turn) into cached
+matchers, each tried on its first token mask, and the masks applied to a step's constrained rows (the masks
+themselves are computed ahead of the step: ``engine.grammar_masks``)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,10 @@ import asyncio
 import json
 import sys
 import threading
+import time
 import weakref
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 
 import llguidance
@@ -19,13 +21,21 @@ import torch
 
 from engine.errors import EngineUnavailableError, StructuredOutputError
 from engine.structured import StructuredOutput
+from engine.work_queue import FairWorkQueue, QueueFullError
 
-COMPILE_TIMEOUT_S = 10.0  # a request whose grammar is not ready by then fails
+COMPILE_TIMEOUT_S = 10.0  # a grammar not ready by then fails its request (a compile not started is dropped)
+TRIAL_BUDGET_S = 0.5      # a grammar's first token mask, computed with its compile, may take this long
 CACHE_SIZE = 256          # compiled grammars (and compile errors) kept, least recently used dropped first
-MAX_PENDING = 64          # compiles queued or running at once; more is refused until some finish
-# llguidance's own bounds on the work a grammar may cost: building its lexer, and each token's mask.
-_LIMITS = dict(initial_lexer_fuel=2_000_000, step_lexer_fuel=400_000, max_grammar_size=500_000,
-               verbose_errors=False)
+CACHE_PER_KEY = CACHE_SIZE // 4  # one cache key (a tenant) holds at most this many: it evicts its own first
+MAX_PENDING = 256         # compiles queued at once; more is refused until some finish
+PENDING_PER_KEY = MAX_PENDING // 4  # of which one cache key (a tenant) may queue this many
+COMPILE_WORKERS = 2       # one cache key compiles on one of them at a time
+# llguidance's own bounds, every one set: the lexer's build and per-token fuel, its states (1-2 kB each),
+# the Earley items of a token's step and of a row, the grammar's size. They bound a grammar's memory and
+# the parser's work; they do not bound a regex's unrolled counts (engine.regex_cost does, before this).
+_LIMITS = dict(initial_lexer_fuel=2_000_000, step_lexer_fuel=400_000, max_lexer_states=50_000,
+               step_max_items=50_000, max_items_in_row=2_000, max_grammar_size=500_000,
+               precompute_large_lexemes=True, verbose_errors=False)
 # JSON as ``json.dumps`` writes it: no free whitespace, which a model can otherwise spin in until max_tokens.
 _JSON_OPTIONS = dict(whitespace_flexible=False, item_separator=", ", key_separator=": ")
 
@@ -82,40 +92,54 @@ class GrammarCompiler:
         self._lltok: llguidance.LLTokenizer | None = None
         self._cache: OrderedDict[tuple[str, str, str], Future] = OrderedDict()
         self._lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvgate-grammar")
+        self._token_lock = threading.Lock()
+        self._queue = FairWorkQueue("kvgate-grammar", num_workers=COMPILE_WORKERS, max_running_per_key=1,
+                                    max_queued_per_key=PENDING_PER_KEY, max_queued=MAX_PENDING)
 
     def submit(self, structured: StructuredOutput) -> Future:
         """A future of the compiled grammar (a template ``LLMatcher``; copy it with ``new_matcher``),
-        failing with ``StructuredOutputError`` for a spec that cannot compile.
+        failing with ``StructuredOutputError`` for a spec that cannot compile or whose first mask is too
+        costly. Compiles queue per cache key (a tenant), served in turn; one not started within
+        ``timeout_s`` is dropped (its future fails with ``TimeoutError``, and is not cached).
 
         Raises:
-            EngineUnavailableError: ``MAX_PENDING`` compiles are already queued or running.
+            EngineUnavailableError: The cache key already has ``PENDING_PER_KEY`` compiles queued, or
+                ``MAX_PENDING`` are queued in all.
         """
         key = structured.cache_id
         with self._lock:
             fut = self._cache.get(key)
-            if fut is not None:
+            if fut is not None and not _was_dropped(fut):
                 self._cache.move_to_end(key)
                 return fut
-            if sum(not f.done() for f in self._cache.values()) >= MAX_PENDING:
-                raise EngineUnavailableError(f"{MAX_PENDING} grammars are compiling; retry shortly")
-            fut = self._cache[key] = self._pool.submit(self._compile, structured)
-            self._evict()
+            try:
+                fut = self._queue.submit(structured.cache_key, lambda: self._compile(structured),
+                                         self.timeout_s)
+            except QueueFullError as e:
+                raise EngineUnavailableError(f"compiles queued: {e}") from None
+            self._cache[key] = fut
+            self._evict(structured.cache_key)
         return fut
 
-    def _evict(self) -> None:
+    def _evict(self, cache_key: str) -> None:
+        """Drop done entries, least recently used first: the key's own while it holds over its share, then
+        anyone's while the cache is over its size (a pending compile is never dropped)."""
+        own = [k for k, f in self._cache.items() if k[0] == cache_key and f.done()]
+        for key in own[:max(0, sum(k[0] == cache_key for k in self._cache) - CACHE_PER_KEY)]:
+            del self._cache[key]
         done = [k for k, f in self._cache.items() if f.done()]
         for key in done[:max(0, len(self._cache) - CACHE_SIZE)]:
             del self._cache[key]
 
     def _tokenizer(self) -> llguidance.LLTokenizer:
-        if self._lltok is None:
-            try:
-                self._lltok = llguidance.hf.from_tokenizer(self._source, n_vocab=self._vocab_size,
-                                                           eos_token=self._eos)
-            except ValueError as e:
-                raise StructuredOutputError(f"structured outputs need a fast tokenizer: {e}") from None
-        return self._lltok
+        with self._token_lock:  # two workers: the first builds it (~0.4 s), the other waits for it
+            if self._lltok is None:
+                try:
+                    self._lltok = llguidance.hf.from_tokenizer(self._source, n_vocab=self._vocab_size,
+                                                               eos_token=self._eos)
+                except ValueError as e:
+                    raise StructuredOutputError(f"structured outputs need a fast tokenizer: {e}") from None
+            return self._lltok
 
     def _compile(self, structured: StructuredOutput) -> llguidance.LLMatcher:
         kind = structured.kind.replace("_", " ")
@@ -127,6 +151,7 @@ class GrammarCompiler:
                                        limits=llguidance.LLParserLimits(**_LIMITS))
         if matcher.is_error():
             raise StructuredOutputError(f"the {kind} cannot be compiled: {matcher.get_error()}")
+        _trial(matcher.deep_copy(), kind)
         return matcher
 
     def check(self, structured: StructuredOutput) -> None:
@@ -151,7 +176,23 @@ class GrammarCompiler:
                                         f"compile") from None
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._queue.close()
+
+
+def _was_dropped(fut: Future) -> bool:
+    """A compile dropped before it started (its waiter had given up): compile it again when asked."""
+    return fut.done() and not fut.cancelled() and isinstance(fut.exception(), TimeoutError) or fut.cancelled()
+
+
+def _trial(matcher: llguidance.LLMatcher, kind: str) -> None:
+    """Compute a copy's first token mask; a grammar whose first mask costs over ``TRIAL_BUDGET_S`` is
+    refused before any request takes a place in the engine with it (its later masks cost alike)."""
+    t0 = time.perf_counter()
+    matcher.compute_bitmask()  # drops the GIL; an error here is the request's, when its mask is computed
+    took = time.perf_counter() - t0
+    if took > TRIAL_BUDGET_S:
+        raise StructuredOutputError(f"the {kind} costs too much to follow: its first token mask took "
+                                    f"{took:.2f} s (at most {TRIAL_BUDGET_S:g} s)")
 
 
 _compilers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -177,24 +218,6 @@ def check_structured(structured: StructuredOutput, tokenizer) -> None:
 def new_matcher(template: llguidance.LLMatcher) -> llguidance.LLMatcher:
     """A fresh matcher at the start of ``template``'s grammar, for one sequence."""
     return template.deep_copy()
-
-
-_executor: llguidance.LLExecutor | None = None
-
-
-def fill_bitmask(matchers: list[llguidance.LLMatcher], vocab_size: int) -> torch.Tensor:
-    """[R, ceil(vocab / 32)] int32: bit j of word w of row i allows token 32 w + j for ``matchers[i]``
-    (computed in parallel in llguidance's threads, without the GIL)."""
-    global _executor
-    if _executor is None:
-        _executor = llguidance.LLExecutor()
-    bitmask = torch.full(((len(matchers)), (vocab_size + 31) // 32), -1, dtype=torch.int32)
-    # What llguidance.torch.fill_next_token_bitmask_par does, without importing that module: it compiles a
-    # function with torch.compile at import, which pulls in torch._dynamo and inductor (~3 s of every
-    # engine start) for a kernel the engine does not use.
-    _executor.unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(matchers)], bitmask.data_ptr(),
-                                      bitmask.shape[1] * 4, len(matchers))
-    return bitmask
 
 
 def apply_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:

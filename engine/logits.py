@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.grammar import apply_bitmask, fill_bitmask
+from engine.grammar import apply_bitmask
+from engine.grammar_masks import mask_rows
 from engine.request import Sequence
 
 
@@ -125,11 +126,12 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
 
 
 def apply_grammars(logits: torch.Tensor, seqs: list[Sequence]) -> None:
-    """Mask, in place, the tokens each constrained row's grammar does not allow next."""
+    """Mask, in place, the tokens each constrained row's grammar does not allow next (the masks were
+    computed before the step: ``engine.grammar_masks``)."""
     idx = [i for i, s in enumerate(seqs) if s.matcher is not None]
     if not idx:
         return
-    bitmask = fill_bitmask([seqs[i].matcher for i in idx], logits.shape[1])
+    bitmask = mask_rows([seqs[i] for i in idx])
     apply_bitmask(logits, torch.tensor(idx, dtype=torch.long, device=logits.device), bitmask)
 
 

@@ -170,7 +170,7 @@ class Sequence:
                  "arrival_time", "first_scheduled_time", "first_token_time", "last_token_time",
                  "finish_time", "logprobs", "cache_namespace", "sample_seed", "max_len",
                  "num_preemptions", "stop_reason", "token_times", "num_prefill_computed", "mode",
-                 "tenant", "matcher", "penalty")
+                 "tenant", "matcher", "mask", "penalty")
 
     def __init__(self, seq_id: int, request_id: str, sample_index: int, prompt_token_ids: list[int],
                  params: SamplingParams, *, arrival_time: float, priority: int = 0,
@@ -204,6 +204,7 @@ class Sequence:
         self.tenant = None                  # the scheduler's fair-share account (engine.fair.Tenant)
         # structured outputs: the grammar's matcher, advanced by each appended token (engine.grammar)
         self.matcher = None
+        self.mask = None                    # its next token's mask, computed ahead (engine.grammar_masks)
         self.penalty = None                 # token counts for the penalties (engine.logits.PenaltyState)
 
     @property
@@ -221,6 +222,11 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    @property
+    def is_mask_pending(self) -> bool:
+        """A grammar row whose next token's mask is still computing: it cannot sample yet."""
+        return self.mask is not None and not self.mask.done()
 
     def __repr__(self) -> str:  # never the prompt itself: lengths only
         return (f"Sequence(id={self.seq_id}, req={self.request_id!r}, prompt_len={self.prompt_len}, "

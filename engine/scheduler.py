@@ -50,7 +50,9 @@ class Scheduler:
     one already placed in this step's batch: its blocks are freed (its full blocks stay in the prefix
     cache, so its recompute is mostly cache hits) and it waits again in its own place, by priority and
     arrival. Every decision depends on arrivals and steps only, never on the clock, so ``fixed`` mode's
-    schedule stays a function of the arrival order.
+    schedule stays a function of the arrival order; the one exception is a ``fast`` or ``batch_invariant``
+    grammar row whose next-token mask is late (``engine.grammar_masks``): it sits out the steps until its
+    mask is done, so that no grammar holds the step everyone shares.
     """
 
     def __init__(self, config: EngineConfig, kv: KVCacheManager) -> None:
@@ -151,6 +153,8 @@ class Scheduler:
             if seq.status is not RequestStatus.RUNNING:
                 continue  # preempted as a victim earlier in this step
             n = min(seq.num_tokens - seq.num_computed_tokens, self._budget)
+            if seq.is_mask_pending and seq.num_computed_tokens + n == seq.num_tokens:
+                continue  # it would sample, and its grammar's mask is not ready: the step goes without it
             if self._make_room(seq, n, out):
                 self._place(seq, n, out)
 
@@ -219,6 +223,8 @@ class Scheduler:
                 done.add(tenant.key)
 
     def _admit_one(self, seq: Sequence, out: SchedulerOutput) -> bool:
+        if seq.is_mask_pending:  # preempted while its grammar's mask computed: back once it is done
+            return False
         if len(self.running) >= self.max_num_seqs and not self._take_slot_for(seq.tenant, out):
             return False
         computed, num_cached = self.kv.get_computed_blocks(seq)

@@ -7,6 +7,7 @@ import json
 from dataclasses import dataclass
 
 from engine.errors import StructuredOutputError
+from engine.regex_cost import grammar_regexes, schema_patterns, too_costly
 
 MAX_SPEC_BYTES = 64 * 1024  # the most a spec (schema, regex, grammar, the choices together) may take
 MAX_CHOICES = 1024
@@ -33,7 +34,9 @@ class StructuredOutput:
             (cache_key, kind, spec), so callers under different keys never share an entry.
 
     Raises:
-        StructuredOutputError: Not exactly one kind, a wrong type, or a spec over ``MAX_SPEC_BYTES``.
+        StructuredOutputError: Not exactly one kind, a wrong type, a spec over ``MAX_SPEC_BYTES``, or a
+            regex (the spec, a schema's ``pattern``, a grammar's terminal) whose counted repetitions
+            expand past ``engine.regex_cost.MAX_REGEX_EXPANSION``.
     """
 
     json_schema: str | None = None
@@ -67,7 +70,25 @@ class StructuredOutput:
                 schema = json.loads(self.json_schema)
             except ValueError as e:
                 raise StructuredOutputError(f"json_schema is not valid JSON: {e}") from None
+            except RecursionError:
+                raise StructuredOutputError("json_schema nests too deeply") from None
             _check(isinstance(schema, (dict, bool)), "json_schema must be a JSON object (or a boolean)")
+            self._check_cost(schema)
+        else:
+            self._check_cost(None)
+
+    def _check_cost(self, schema: object) -> None:
+        """Refuse regexes whose counted repetitions unroll past what a token mask can afford."""
+        if self.regex is not None:
+            regexes = iter([("the regex", self.regex)])
+        elif self.json_schema is not None:
+            regexes = ((f"the schema's {where}", r) for where, r in schema_patterns(schema))
+        elif self.grammar is not None:
+            regexes = grammar_regexes(self.grammar)
+        else:
+            return
+        why = too_costly(regexes)
+        _check(why is None, f"{why}")
 
     @property
     def kind(self) -> str:

@@ -48,6 +48,10 @@ class Settings(BaseSettings):
         engine_heap_trim_interval_s: Hand the engine process's free heap pages back to the system when it
             goes idle and every this many seconds while it works (flat RSS under sustained mixed
             traffic; docs/operations.md#soak-test); 0 turns it off.
+        grammar_mask_deadline_s: How long a structured-output row's next-token mask may take to compute
+            (off the engine step, in worker threads shared fairly by tenants); a row whose mask is later
+            fails alone with a clear error, and a late row sits out steps meanwhile instead of holding
+            them (docs/security.md#structured-outputs).
         scheduling_policy: ``fair`` (tenants share the engine's batch by their policies' ``share``, the
             default), ``priority`` (by the policies' ``priority`` alone) or ``fcfs``; see
             docs/operations.md#fair-share.
@@ -149,6 +153,7 @@ class Settings(BaseSettings):
     max_num_seqs: int = 64
     engine_fixed_mmap_threshold: bool = False
     engine_heap_trim_interval_s: float = Field(default=5.0, ge=0)
+    grammar_mask_deadline_s: float = Field(default=1.0, gt=0, le=60)
     scheduling_policy: Literal["fair", "priority", "fcfs"] = "fair"
     prefix_cache_guaranteed_fraction: float = Field(default=0.05, ge=0, le=1)
     max_queued_requests: int | None = Field(default=None, ge=0)
@@ -227,6 +232,7 @@ class Settings(BaseSettings):
             prefix_cache_guaranteed_fraction=self.prefix_cache_guaranteed_fraction,
             fixed_mmap_threshold=self.engine_fixed_mmap_threshold,
             heap_trim_interval_s=self.engine_heap_trim_interval_s,
+            grammar_mask_deadline_s=self.grammar_mask_deadline_s,
             determinism_modes=tuple(self.determinism_modes.split(",")),
         )
 

@@ -197,7 +197,7 @@ def test_a_grammar_not_ready_by_its_deadline_fails_the_request(engine, monkeypat
     from engine.grammar_queue import GrammarQueue
 
     slow = GrammarCompiler(engine.tokenizer, vocab_size=49152, eos_token_ids=(2,), timeout_s=0.05)
-    monkeypatch.setattr(engine, "grammars", GrammarQueue(slow))
+    monkeypatch.setattr(engine, "grammars", GrammarQueue(slow, engine.masks))
     request_id = engine.add_request([1, 2, 3], SamplingParams(structured=StructuredOutput(regex="[0-9]+")))
     with pytest.raises(StepError) as info:
         while engine.has_unfinished():
