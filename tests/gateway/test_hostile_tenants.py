@@ -55,10 +55,11 @@ def test_a_victims_stream_keeps_its_pace_under_attack(server, attack):
     served, keys, model = server
     base, ca = served.base, str(served.ca)
     solo = asyncio.run(hostile.alone(base, ca, keys[0], model, VICTIM_TOKENS, 120))
+    print(f"{attack}: alone {solo.describe()}")
     assert solo.result.error is None and solo.result.num_completion_tokens == VICTIM_TOKENS, solo.describe()
     deadline = min(MAX_DEADLINE_S, max(MIN_DEADLINE_S, 4 * solo.result.latency_s))
     run, log = asyncio.run(hostile.under_attack(base, ca, keys, model, attack, VICTIM_TOKENS, deadline))
-    summary = f"{attack}: alone {solo.describe()}; attacked {run.describe()}; attacker {log.statuses[:8]}"
+    summary = f"{attack}: attacked {run.describe()}; attacker {log.statuses[:8]}"
     print(summary)
     assert run.result.error is None and run.result.num_completion_tokens == VICTIM_TOKENS, summary
     assert run.max_gap_s <= MAX_GAP_S, summary
