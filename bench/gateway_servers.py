@@ -46,6 +46,7 @@ class ServerVariant:
     audit: bool = True
     durable: bool = True
     root: Path = ROOT
+    env: tuple[tuple[str, str], ...] = ()  # more KVGATE_* settings for the server
 
 
 async def create_tenant_key(settings: Settings) -> tuple[str, str]:
@@ -101,6 +102,7 @@ class GatewayServer:
             p for p in (str(variant.root), os.environ.get("PYTHONPATH", "")) if p)}
         env["KVGATE_AUDIT_ENABLED"] = "true" if variant.audit else "false"
         env["KVGATE_DURABLE_COMMITS"] = "true" if variant.durable else "false"
+        env.update(variant.env)
         self._argv, self._env = _serve_argv(settings, variant, self.port), env
         self._proc: subprocess.Popen | None = None
 

@@ -91,7 +91,8 @@ async def _add_route(settings: Any, upstream_url: str, upstream_model: str, api_
     try:
         async with make_sessionmaker(db)() as s:
             await put_route(s, AdminActor(AuditHook(lambda name, fields: None), "bench"), sealing, ROUTE,
-                            RoutePut(route=route, api_key=SecretStr(api_key)), upstream_model)
+                            RoutePut(route=route, api_key=SecretStr(api_key)), upstream_model,
+                            allow_private=True)
     finally:
         await db.dispose()
 
@@ -158,7 +159,9 @@ def _run(cfg: UpstreamBenchConfig, root: Path) -> dict[str, Any]:
     _, front_key = asyncio.run(create_tenant_key(front_settings))
     model_name = Path(model).stem if model.endswith(".gguf") else Path(model).name
     up = GatewayServer(up_settings, ServerVariant("upstream", insecure_http=True))
-    front = GatewayServer(front_settings, ServerVariant("front"))
+    # the upstream is on loopback, which routes may reach only where the front allows private addresses
+    front = GatewayServer(front_settings, ServerVariant(
+        "front", env=(("KVGATE_UPSTREAM_ALLOW_PRIVATE_ADDRESSES", "true"),)))
     asyncio.run(_add_route(front_settings, up.base_url, model_name, up_key))  # the upstream's port is known
     try:
         with ThreadPoolExecutor(2) as pool:  # both start at once: a start is tens of seconds on busy cores

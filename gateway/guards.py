@@ -20,6 +20,7 @@ from gateway.schemas.admin import (
     METRICS_READ,
     POLICY_WRITE,
     RETENTION_READ,
+    ROUTES_WRITE,
     TENANTS_WRITE,
     TOKENS_WRITE,
 )
@@ -43,8 +44,8 @@ ADMIN_ROUTE_SCOPES: dict[tuple[str, str], str] = {
     ("GET", "/admin/v1/models"): ADMIN_READ,
     ("GET", "/admin/v1/models/{name}"): ADMIN_READ,
     ("GET", "/admin/v1/model-history/{name}"): ADMIN_READ,
-    ("PUT", "/admin/v1/models/{name}"): POLICY_WRITE,
-    ("DELETE", "/admin/v1/models/{name}"): POLICY_WRITE,
+    ("PUT", "/admin/v1/models/{name}"): ROUTES_WRITE,
+    ("DELETE", "/admin/v1/models/{name}"): ROUTES_WRITE,
     ("POST", "/admin/v1/tenants"): TENANTS_WRITE,
     ("POST", f"{_TENANT}/disable"): TENANTS_WRITE,
     ("POST", f"{_TENANT}/enable"): TENANTS_WRITE,

@@ -25,6 +25,7 @@ from gateway.settings import Settings
 from gateway.storage.db import make_db_engine, make_sessionmaker
 from gateway.storage.txn import TxnRunner
 from gateway.upstream.call import SALT_LABEL
+from gateway.upstream.client import ReplyLimits
 from gateway.upstream.table import RouteTable
 
 log = structlog.get_logger()
@@ -75,7 +76,8 @@ class Runtime:
         self.metrics = GatewayMetrics(lambda: self.engine, self.overload, lambda: self.routes)
         from gateway.services.routes import SEALING_LABEL
 
-        self.routes = RouteTable(self.sessionmaker, self.hasher.derive(SEALING_LABEL))
+        self.routes = RouteTable(self.sessionmaker, self.hasher.derive(SEALING_LABEL),
+                                 ReplyLimits.from_settings(s))
         self.salt_key = self.hasher.derive(SALT_LABEL)
 
     async def start(self, *, has_custom_sink: bool) -> None:

@@ -133,6 +133,16 @@ class Settings(BaseSettings):
         log_max_value_chars: Longest string value a log line carries (``KVGATE_LOG_MAX_VALUE_CHARS``); a
             longer one is logged as its length and keyed hash without being scanned, so that one huge
             value cannot hold the event loop in the redactor.
+        upstream_allow_private_addresses: Let model routes reach private, loopback, link-local, shared
+            (CGNAT) and cloud-metadata addresses (``KVGATE_UPSTREAM_ALLOW_PRIVATE_ADDRESSES``). Off (the
+            default), such a URL is refused when the route is stored, and every connection to an
+            upstream checks the addresses its host name resolves to, so a route editor cannot reach the
+            gateway's own network (docs/security.md#upstream-pools).
+        upstream_max_error_bytes: Most bytes of an upstream's error reply read (for its message).
+        upstream_max_line_bytes: Longest line of an upstream's event stream; a longer one ends the
+            reply with an error.
+        upstream_max_reply_bytes: Most bytes of one upstream reply (streamed or whole); more ends it
+            with an error.
     """
 
     model_config = SettingsConfigDict(env_prefix="KVGATE_", extra="ignore")
@@ -189,6 +199,11 @@ class Settings(BaseSettings):
     auth_failure_flush_s: float = Field(default=1.0, gt=0, le=60)
     auth_failure_max_peers: int = Field(default=10_000, ge=1, le=1_000_000)
     log_max_value_chars: int = Field(default=DEFAULT_MAX_VALUE_CHARS, ge=256)
+    # Upstream pools: where routes may point, and what an upstream may send back (docs/security.md).
+    upstream_allow_private_addresses: bool = False
+    upstream_max_error_bytes: int = Field(default=65_536, ge=1024, le=16_777_216)
+    upstream_max_line_bytes: int = Field(default=1_048_576, ge=4096, le=67_108_864)
+    upstream_max_reply_bytes: int = Field(default=67_108_864, ge=65_536, le=1_073_741_824)
 
     @field_validator("determinism_modes")
     @classmethod

@@ -40,7 +40,7 @@ class ModelsAdminController(Controller):
         rows = [routes.route_to_schema(r) for r in await routes.current_routes(session)]
         return [ModelOut(name=runtime.engine.model_name, backend="engine")] + [
             ModelOut(name=r.name, backend="upstream", version=r.version, route=r.route,
-                     has_api_key=r.has_api_key) for r in rows]
+                     has_api_key=r.has_api_key, warnings=r.warnings) for r in rows]
 
     @get("/{name:path}")
     async def get_route(self, session: AsyncSession, name: str) -> RouteOut:
@@ -55,10 +55,14 @@ class ModelsAdminController(Controller):
     async def put_route(
         self, request: Request, session: AsyncSession, runtime: Runtime, principal: Principal, name: str
     ) -> RouteOut:
-        """Store a new version of a model's route to an upstream pool; its tokenizer must load here.
+        """Store a new version of a model's route to an upstream pool; its tokenizer must load here. The
+        previous version's API key is kept only while the URLs stay the same; the reply's ``warnings``
+        name the route's cross-tenant leakage channels.
 
         Raises:
-            InvalidRequest: A bad route, or a tokenizer that does not load (400).
+            InvalidRequest: A bad route, a tokenizer that does not load, a private or metadata address
+                (400 ``upstream_address_refused``), or servers that cannot keep their cache per tenant
+                without ``shared_cache`` (400 ``route_not_isolated``).
             Conflict: ``expected_version`` is stale (409).
         """
         name, body = _name(name), parse_body(await request.body(), RoutePut)
@@ -68,7 +72,8 @@ class ModelsAdminController(Controller):
             raise InvalidRequest(str(e), code="tokenizer_unavailable", param="route.tokenizer") from None
         by = AdminActor(runtime.audit, principal.key_id)
         out = await routes.put_route(session, by, runtime.hasher.derive(SEALING_LABEL), name, body,
-                                     runtime.engine.model_name)
+                                     runtime.engine.model_name,
+                                     allow_private=runtime.settings.upstream_allow_private_addresses)
         await runtime.routes.refresh()  # this replica at once; the others within their refresh period
         return out
 

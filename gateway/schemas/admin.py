@@ -17,9 +17,11 @@ AUDIT_EXPORT = "audit:export"  # the signed audit bundle
 RETENTION_READ = "retention:read"  # decrypt a retained prompt
 METRICS_READ = "metrics:read"  # /metrics
 TOKENS_WRITE = "tokens:write"  # mint and revoke admin tokens (within the caller's own scopes)
+# Model routes: where requests (and the upstream's sealed API key) go, so not a policy editor's to change.
+ROUTES_WRITE = "routes:write"
 ADMIN_SCOPES = frozenset({
     ADMIN_READ, TENANTS_WRITE, POLICY_WRITE, KEYS_WRITE, AUDIT_EXPORT, RETENTION_READ, METRICS_READ,
-    TOKENS_WRITE,
+    TOKENS_WRITE, ROUTES_WRITE,
 })
 # What an admin token issued before scopes could do: all but reading retained prompts and minting tokens.
 LEGACY_SCOPES = ADMIN_SCOPES - {RETENTION_READ, TOKENS_WRITE}

@@ -9,6 +9,12 @@ from urllib.parse import urlsplit
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
 UpstreamKind = Literal["vllm", "sglang", "llamacpp", "kvgate", "openai-compatible"]
+# Servers that take no per-request cache scope (no ``cache_salt``, no way to turn prefix caching off): a
+# route to them shares one prefix cache between its tenants, so it must say so (``shared_cache``).
+NON_ISOLATING_KINDS = frozenset({"sglang", "openai-compatible"})
+LEAKAGE_WARNING = ("shared_cache: tenants whose policy has allow_shared_upstream_cache share this pool's "
+                   "prefix cache, a cross-tenant leakage channel (one can learn from its cached_tokens or "
+                   "latency what another's prompts began with; docs/security.md)")
 MODEL_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$"
 _Url = Annotated[str, Field(min_length=1, max_length=512)]
 
@@ -19,11 +25,13 @@ class _Frozen(BaseModel):
 
 class UpstreamTimeouts(_Frozen):
     """Per-upstream limits, in seconds: connecting, the first byte of a reply, and the gap between two
-    streamed chunks (a whole reply must be complete within ``first_byte_s``)."""
+    streamed chunks (``: keepalive`` comments do not count as chunks); a whole reply must be complete
+    within ``first_byte_s``, a streamed one within ``total_s``."""
 
     connect_s: float = Field(default=2.0, gt=0, le=60)
     first_byte_s: float = Field(default=120.0, gt=0, le=3600)
     idle_s: float = Field(default=30.0, gt=0, le=3600)
+    total_s: float = Field(default=900.0, gt=0, le=86400)
 
 
 class UpstreamRoute(_Frozen):
@@ -36,8 +44,10 @@ class UpstreamRoute(_Frozen):
         tokenizer: The upstream model's Hugging Face tokenizer directory or ``.gguf`` file, on this host:
             admission counts prompts with it.
         max_model_len: The upstream model's context, in tokens.
-        shared_cache: The pool's prefix cache cannot be scoped per request (an ``openai-compatible`` or
-            ``sglang`` server); only tenants whose policy has ``allow_shared_upstream_cache`` go there.
+        shared_cache: The operator's statement that the pool's prefix cache is shared by the tenants
+            routed there, a cross-tenant leakage channel: only tenants whose policy has
+            ``allow_shared_upstream_cache`` go there. Required for ``sglang`` and ``openai-compatible``
+            servers, which cannot scope their cache per request (such a route without it is refused).
         max_connections: Connections kept to each replica.
         affinity_blocks: Leading 16-token blocks of the prompt that pick a replica (prefix affinity).
         affinity_slack: How many more requests than the least loaded replica the preferred one may hold.
@@ -76,10 +86,22 @@ class UpstreamRoute(_Frozen):
             raise ValueError("urls must not repeat")
         return tuple(out)
 
+    @property
+    def is_cache_shared(self) -> bool:
+        """Whether tenants routed here may share the servers' prefix cache (only those allowed to)."""
+        return self.shared_cache or self.kind in NON_ISOLATING_KINDS
+
+    @property
+    def warnings(self) -> tuple[str, ...]:
+        """What the admin API says of the route: a cache its tenants share."""
+        shares = self.kind in NON_ISOLATING_KINDS or (self.kind == "llamacpp" and self.shared_cache)
+        return (LEAKAGE_WARNING,) if shares else ()
+
 
 class RoutePut(_Frozen):
     """A new version of a model's route. ``api_key``: the upstream's bearer key, stored sealed and never
-    shown again; omitted, the previous version's key is kept (``clear_api_key`` drops it)."""
+    shown again; omitted, the previous version's key is kept while the URLs stay the same
+    (``clear_api_key`` drops it; a version with other URLs drops it unless it is given again)."""
 
     route: UpstreamRoute
     api_key: SecretStr | None = Field(default=None, min_length=1, max_length=4096)
@@ -96,6 +118,7 @@ class RouteOut(_Frozen):
     changed_by: str
     comment: str
     created_at: datetime
+    warnings: tuple[str, ...] = ()  # the route's leakage channels (a shared prefix cache)
 
 
 class ModelOut(_Frozen):
@@ -106,3 +129,4 @@ class ModelOut(_Frozen):
     version: int | None = None
     route: UpstreamRoute | None = None
     has_api_key: bool = False
+    warnings: tuple[str, ...] = ()

@@ -14,9 +14,10 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from gateway.clock import as_utc, utcnow
 from gateway.errors import Conflict, InvalidRequest, NotFound
-from gateway.schemas.routes import RouteOut, RoutePut, UpstreamRoute
+from gateway.schemas.routes import NON_ISOLATING_KINDS, RouteOut, RoutePut, UpstreamRoute
 from gateway.services.admin_audit import AdminActor
 from gateway.storage.models import ModelRoute
+from gateway.upstream.addresses import refused_urls
 
 ROUTE_CHANGED = "admin.model_route_changed"
 ROUTE_DELETED = "admin.model_route_deleted"
@@ -47,14 +48,16 @@ def parse_route(body: str) -> UpstreamRoute:
 
 
 def route_to_schema(row: ModelRoute) -> RouteOut:
+    route = None if row.is_deleted else parse_route(row.body)
     return RouteOut(
         name=row.name,
         version=row.version,
-        route=None if row.is_deleted else parse_route(row.body),
+        route=route,
         has_api_key=row.api_key_sealed is not None,
         changed_by=row.changed_by,
         comment=row.comment,
         created_at=as_utc(row.created_at),
+        warnings=() if route is None else route.warnings,
     )
 
 
@@ -112,21 +115,56 @@ async def _append(session: AsyncSession, by: AdminActor, row: ModelRoute, event:
         raise Conflict("The route was changed concurrently; retry.", code="version_conflict") from e
 
 
-async def put_route(
-    session: AsyncSession, by: AdminActor, sealing_key: bytes, name: str, body: RoutePut, engine_model: str
-) -> RouteOut:
-    """Append a version of ``name``'s route (its first creates it).
+def check_route(route: UpstreamRoute, *, allow_private: bool) -> None:
+    """What a route may not be: one to a private or metadata address (unless ``allow_private``), or to
+    servers that cannot keep their prefix cache per tenant without the operator saying it is shared.
 
     Raises:
-        InvalidRequest: ``name`` is the built-in engine's model (400 ``model_reserved``).
+        InvalidRequest: 400 ``upstream_address_refused`` or ``route_not_isolated``.
+    """
+    refused = [] if allow_private else refused_urls(route.urls)
+    if refused:
+        raise InvalidRequest(
+            f"{refused[0]!r} is a private, loopback, link-local or metadata address; upstreams must be "
+            "public unless the server allows private ones (upstream_allow_private_addresses).",
+            code="upstream_address_refused", param="route.urls")
+    if route.kind in NON_ISOLATING_KINDS and not route.shared_cache:
+        raise InvalidRequest(
+            f"{route.kind} servers cannot keep their prefix cache per tenant: the tenants routed there would "
+            "share it, a cross-tenant leakage channel. Set shared_cache to true to accept that (only tenants "
+            "whose policy has allow_shared_upstream_cache are then routed there).",
+            code="route_not_isolated", param="route.shared_cache")
+
+
+def _kept_key(latest: ModelRoute | None, body: RoutePut) -> str | None:
+    """The previous version's sealed key, if this version keeps it: not once cleared, deleted, or sent
+    to other URLs (a key given for one server is never sent to another without being given again)."""
+    if latest is None or latest.is_deleted or body.clear_api_key:
+        return None
+    if set(parse_route(latest.body).urls) != set(body.route.urls):
+        return None
+    return latest.api_key_sealed
+
+
+async def put_route(
+    session: AsyncSession, by: AdminActor, sealing_key: bytes, name: str, body: RoutePut, engine_model: str,
+    *, allow_private: bool = False,
+) -> RouteOut:
+    """Append a version of ``name``'s route (its first creates it); ``allow_private``: the route may
+    point at private addresses.
+
+    Raises:
+        InvalidRequest: ``name`` is the built-in engine's model (400 ``model_reserved``), or the route is
+            one ``check_route`` refuses.
         Conflict: ``expected_version`` is stale, or another writer won the race (409).
     """
     if name == engine_model:
         raise InvalidRequest("The built-in engine's model cannot be routed upstream.", code="model_reserved",
                              param="name")
+    check_route(body.route, allow_private=allow_private)
     latest = await _latest(session, name)
     version = _check_version(latest, body.expected_version)
-    sealed = None if latest is None or latest.is_deleted or body.clear_api_key else latest.api_key_sealed
+    sealed = _kept_key(latest, body)
     if body.api_key is not None:
         sealed = seal_api_key(sealing_key, name, body.api_key.get_secret_value())
     row = ModelRoute(name=name, version=version + 1, body=body.route.model_dump_json(), api_key_sealed=sealed,

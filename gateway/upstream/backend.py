@@ -3,9 +3,7 @@ chunk), and the upstream's own usage handed to the same settlement as the built-
 
 from __future__ import annotations
 
-import time
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
@@ -18,45 +16,12 @@ from gateway.runtime import Runtime
 from gateway.services.admission import Admission
 from gateway.services.settlement import Progress, finish, until_committed
 from gateway.upstream.call import UpstreamCall
-from gateway.upstream.client import Opened, UpstreamUnavailable
+from gateway.upstream.client import BUSY_STATUSES, Opened, UpstreamUnavailable
+from gateway.upstream.relay import Relay, UpstreamChoice, UpstreamOutput
 from gateway.upstream.table import Target
 
 log = structlog.get_logger()
 RETRY_AFTER_S = 2
-
-
-@dataclass(slots=True)
-class _Choice:
-    index: int
-    text: str = ""
-    finish_reason: str | None = None
-    token_ids: tuple[int, ...] = ()
-    token_hash: str | None = None
-
-
-@dataclass(slots=True)
-class _Metrics:
-    arrival_step: int | None = None
-    time_to_first_token: float | None = None
-    mean_time_per_output_token: float | None = None
-
-
-@dataclass(slots=True)
-class UpstreamOutput:
-    """What the settlement reads of an upstream reply, shaped as the engine's last output; ``usage`` is
-    the upstream's count (prompt, completion, cached), which the settlement takes over its own."""
-
-    outputs: list[_Choice] = field(default_factory=list)
-    usage: tuple[int, int, int] | None = None
-    num_cached_tokens: int = 0
-    system_fingerprint: str | None = None
-    determinism: str = "fast"
-    metrics: _Metrics = field(default_factory=_Metrics)
-
-    def choice(self, index: int) -> _Choice:
-        while len(self.outputs) <= index:
-            self.outputs.append(_Choice(len(self.outputs)))
-        return self.outputs[index]
 
 
 # The upstream's refusals that are about the request itself; any other (401, 404, 429...) is about this
@@ -81,20 +46,32 @@ def unavailable(adm: Admission, e: BaseException) -> ServiceUnavailable:
                               headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
-async def _open(rt: Runtime, call: UpstreamCall, adm: Admission, last: UpstreamOutput) -> Opened:
+def _verdict(status: int) -> bool | None:
+    """What an upstream's refusal says of the replica: fine (the request was refused), busy (no verdict:
+    load alone must not open a breaker), or failing."""
+    if status in CLIENT_STATUSES:
+        return True
+    return None if status in BUSY_STATUSES else False
+
+
+async def _open(rt: Runtime, call: UpstreamCall, adm: Admission, last: UpstreamOutput,
+                is_stream: bool) -> Opened:
     """Open the upstream stream; its head is in (a refusal of the request's is the client's 4xx). Where
-    no replica took the request, or one refused it, nothing ran: ``last`` settles it at zero tokens."""
+    no replica took the request, or one refused it, nothing ran: ``last`` settles it at zero tokens. A
+    whole reply must be in within the route's ``first_byte_s``, a stream within its ``total_s``."""
     pool = call.target.pool
+    timeouts = call.target.route.timeouts
     try:
-        opened = await pool.open(call.path, call.body, call.affinity)
+        opened = await pool.open(call.path, call.body, call.affinity,
+                                 timeouts.total_s if is_stream else timeouts.first_byte_s)
     except UpstreamUnavailable as e:
         last.usage = (0, 0, 0)
         raise unavailable(adm, e) from None
     rt.metrics.upstream_requests.labels(pool.name, opened.replica.url).inc()
     status = opened.response.status_code
     if status != 200:
-        raw = await opened.response.aread()
-        await opened.close(is_ok=status in CLIENT_STATUSES)
+        raw = await opened.read_error()
+        await opened.close(is_ok=_verdict(status))
         last.usage = (0, 0, 0)
         if status in CLIENT_STATUSES:
             raise _upstream_error(raw)
@@ -102,65 +79,7 @@ async def _open(rt: Runtime, call: UpstreamCall, adm: Admission, last: UpstreamO
     return opened
 
 
-class _Relay:
-    """Reads an upstream stream: each chunk rewritten as this gateway's (id, model, created), its text
-    and usage recorded into ``progress``."""
-
-    def __init__(self, rt: Runtime, adm: Admission, progress: Progress, include_usage: bool) -> None:
-        self.rt, self.adm, self.progress, self.include_usage = rt, adm, progress, include_usage
-        self.last = progress.last = UpstreamOutput()
-        self.prefix = "chatcmpl-" if adm.kind == "chat" else "cmpl-"
-        self.started = time.monotonic()
-
-    def chunk(self, data: dict[str, Any]) -> bytes | None:
-        """The chunk to send on, or ``None`` (the usage chunk the client did not ask for)."""
-        adm = self.adm
-        data["id"], data["model"], data["created"] = self.prefix + adm.request_id, adm.model, adm.created
-        usage = data.get("usage")
-        if usage:
-            self._record_usage(usage)
-            data["usage"] = fmt.usage_dict(*self.last.usage)  # type: ignore[misc]
-        choices = data.get("choices") or []
-        for c in choices:
-            self._record_choice(c)
-        if not self.include_usage:
-            if usage and not choices:
-                return None
-            data.pop("usage", None)
-        return fmt.sse(data)
-
-    def _record_choice(self, c: dict[str, Any]) -> None:
-        choice = self.last.choice(int(c.get("index", 0)))
-        delta = c.get("delta")
-        text = (delta or {}).get("content") if delta is not None else c.get("text")
-        if text:
-            if self.last.metrics.time_to_first_token is None:
-                self.last.metrics.time_to_first_token = time.monotonic() - self.started
-            choice.text += text
-        if c.get("finish_reason") is not None:
-            choice.finish_reason = c["finish_reason"]
-
-    def _record_usage(self, usage: dict[str, Any]) -> None:
-        details = usage.get("prompt_tokens_details") or {}
-        cached = int(details.get("cached_tokens") or 0)
-        self.last.usage = (int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0),
-                           cached)
-        self.last.num_cached_tokens = cached
-        ours = len(self.adm.prompt_token_ids)
-        if abs(self.last.usage[0] - ours) > 0.01 * ours:  # a tokenizer or template that is not the upstream's
-            log.warning("upstream.usage_disagrees", request_id=self.adm.request_id, model=self.adm.model,
-                        num_prompt_tokens=ours, num_upstream_prompt_tokens=self.last.usage[0])
-            self.rt.metrics.upstream_usage_disagreements.labels(self.adm.model).inc()
-
-    def settle_counts(self, target: Target) -> None:
-        """Where the upstream sent no usage (the stream broke): count what came with our tokenizer."""
-        if self.last.usage is None:
-            encode = target.tokenizer.encode
-            done = sum(len(encode(c.text, add_special_tokens=False)) for c in self.last.outputs)
-            self.last.usage = (len(self.adm.prompt_token_ids), done, 0)
-
-
-async def _relay(relay: _Relay, opened: Opened) -> AsyncGenerator[bytes, None]:
+async def _relay(relay: Relay, opened: Opened) -> AsyncGenerator[bytes, None]:
     """The upstream's SSE events, one by one as they come; ``[DONE]`` ends the stream."""
     async for line in opened.chunks():
         if not line.startswith("data:"):
@@ -177,7 +96,7 @@ async def _relay(relay: _Relay, opened: Opened) -> AsyncGenerator[bytes, None]:
             yield out
 
 
-async def _stream(relay: _Relay, opened: Opened, target: Target) -> AsyncGenerator[bytes, None]:
+async def _stream(relay: Relay, opened: Opened, target: Target) -> AsyncGenerator[bytes, None]:
     is_ok: bool | None = False
     try:
         async for data in _relay(relay, opened):
@@ -202,9 +121,9 @@ async def open_stream(rt: Runtime, adm: Admission, include_usage: bool) -> Strea
     """A streamed reply: the upstream's chunks as they come; the reply's ``finish`` settles."""
     call: UpstreamCall = adm.upstream
     progress = Progress()
-    relay = _Relay(rt, adm, progress, include_usage)
+    relay = Relay(rt, adm, progress, include_usage)
     try:
-        opened = await _open(rt, call, adm, relay.last)
+        opened = await _open(rt, call, adm, relay.last, is_stream=True)
         await until_committed(adm)
     except BaseException:
         await finish(rt, adm, progress)
@@ -216,9 +135,9 @@ async def open_stream(rt: Runtime, adm: Admission, include_usage: bool) -> Strea
 async def run_whole(rt: Runtime, adm: Admission) -> WholeReply:
     """A whole reply, gathered from the upstream's stream."""
     progress = Progress()
-    relay = _Relay(rt, adm, progress, include_usage=True)
+    relay = Relay(rt, adm, progress, include_usage=True)
     try:
-        opened = await _open(rt, adm.upstream, adm, relay.last)
+        opened = await _open(rt, adm.upstream, adm, relay.last, is_stream=False)
         gen = _stream(relay, opened, adm.upstream.target)
         try:
             parts = [p async for p in gen]
@@ -246,7 +165,7 @@ def _whole_body(adm: Admission, last: UpstreamOutput, parts: list[bytes]) -> dic
             "system_fingerprint": None, "choices": choices, "usage": fmt.usage_dict(*last.usage)}  # type: ignore[misc]
 
 
-def _whole_choice(kind: str, o: _Choice) -> dict[str, Any]:
+def _whole_choice(kind: str, o: UpstreamChoice) -> dict[str, Any]:
     if kind == "chat":
         message = {"role": "assistant", "content": o.text, "refusal": None}
         return {"index": o.index, "message": message, "logprobs": None, "finish_reason": o.finish_reason}

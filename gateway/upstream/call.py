@@ -96,6 +96,6 @@ def check_cache_fields(req: ChatCompletionRequest | CompletionRequest, policy: P
     if req.cache_salt is not None and not policy.trust_cache_salt:
         raise InvalidRequest("cache_salt is not accepted: the gateway keeps the prefix cache per tenant "
                              "itself.", code="cache_salt_not_allowed", param="cache_salt")
-    if target is not None and target.route.shared_cache and not policy.allow_shared_upstream_cache:
+    if target is not None and target.route.is_cache_shared and not policy.allow_shared_upstream_cache:
         raise PolicyViolation("This key may not use the requested model: its servers share one prefix "
                               "cache.", status=403, code="model_not_allowed", param="model")

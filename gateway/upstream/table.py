@@ -16,7 +16,7 @@ from sqlalchemy.ext.asyncio import async_sessionmaker
 from gateway.schemas.routes import UpstreamRoute
 from gateway.services.routes import current_routes, open_api_key, parse_route
 from gateway.services.segment_cache import SegmentCache
-from gateway.upstream.client import UpstreamPool
+from gateway.upstream.client import ReplyLimits, UpstreamPool
 
 log = structlog.get_logger()
 REFRESH_S = 5.0
@@ -61,8 +61,8 @@ class RouteTable:
     """The current version of every route, each with its started pool; a version replaced is closed once
     its requests are done."""
 
-    def __init__(self, sessionmaker: async_sessionmaker, sealing_key: bytes) -> None:
-        self._sessionmaker, self._sealing_key = sessionmaker, sealing_key
+    def __init__(self, sessionmaker: async_sessionmaker, sealing_key: bytes, limits: ReplyLimits) -> None:
+        self._sessionmaker, self._sealing_key, self.limits = sessionmaker, sealing_key, limits
         self.targets: dict[str, Target] = {}
         self._retired: list[UpstreamPool] = []
         self._task: asyncio.Task | None = None
@@ -104,7 +104,7 @@ class RouteTable:
             except Exception:  # noqa: BLE001  (sealed under another pepper: say so, never the key)
                 raise ValueError("its API key cannot be opened with this server's pepper") from None
         tokenizer = await asyncio.to_thread(load_route_tokenizer, route.tokenizer)
-        pool = UpstreamPool(row.name, row.version, route, api_key)
+        pool = UpstreamPool(row.name, row.version, route, api_key, self.limits)
         pool.start()
         return Target(pool, tokenizer, SegmentCache(tokenizer))
 

@@ -20,6 +20,7 @@ from gateway.services import keys
 
 from .conftest import SETUP, make_settings, open_gateway
 from .test_admin_scopes import _admin_routes
+from .upstreams import LOOPBACK
 
 _T = "/admin/v1/tenants/{tenant_id}"
 # Each changing admin route (any method but GET) and the one event it records.
@@ -67,7 +68,7 @@ CLI_READS = {
 
 @pytest.fixture
 async def agw(tmp_path, db_url, llm):
-    async for g in open_gateway(tmp_path, db_url, llm):
+    async for g in open_gateway(tmp_path, db_url, llm, **LOOPBACK):  # a route to 127.0.0.1
         yield g
 
 

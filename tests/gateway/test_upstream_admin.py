@@ -8,6 +8,7 @@ from policies import Policy
 
 from .conftest import open_gateway, tenant_events
 from .realserver import migrated_db
+from .upstreams import LOOPBACK
 
 # The tests on ``shared_agw`` change nothing another test reads (refused input, tenants of their own), so
 # they share one gateway per database on the module's loop instead of a new database and app each.
@@ -16,7 +17,7 @@ ON_SHARED = pytest.mark.asyncio(loop_scope="module")
 
 @pytest.fixture
 async def agw(tmp_path, db_url, llm):
-    async for g in open_gateway(tmp_path, db_url, llm):
+    async for g in open_gateway(tmp_path, db_url, llm, **LOOPBACK):
         g.db_url = db_url
         yield g
 
@@ -29,7 +30,7 @@ async def shared_agw(request, tmp_path_factory, llm):
         pytest.skip("no PostgreSQL server answers (set CI=1 to make this a failure)")
     data_dir = tmp_path_factory.mktemp("upstream-admin")
     with migrated_db(request.param, data_dir, pg_user) as url:
-        async for g in open_gateway(data_dir, url, llm):
+        async for g in open_gateway(data_dir, url, llm, **LOOPBACK):
             yield g
 
 

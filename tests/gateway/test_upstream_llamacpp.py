@@ -13,6 +13,7 @@ from bench import llamacpp
 from policies import Policy
 
 from .conftest import open_gateway
+from .upstreams import LOOPBACK
 
 BINARY = llamacpp.find_binary("llama-server")
 pytestmark = pytest.mark.skipif(BINARY is None, reason=llamacpp.missing_reason("llama-server"))
@@ -35,7 +36,7 @@ def servers(tmp_path_factory):
 
 @pytest.fixture
 async def front(tmp_path, sqlite_url, llm, servers, default_model_dir):
-    async for g in open_gateway(tmp_path, sqlite_url, llm):
+    async for g in open_gateway(tmp_path, sqlite_url, llm, **LOOPBACK):
         for name, is_shared in (("llama", False), ("llama-shared", True)):
             route = {"kind": "llamacpp", "urls": [s.base_url for s in servers], "upstream_model": "smollm2",
                      "tokenizer": str(default_model_dir), "max_model_len": 1024, "shared_cache": is_shared}

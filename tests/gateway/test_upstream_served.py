@@ -13,7 +13,7 @@ import pytest
 from policies import Policy
 
 from .conftest import open_gateway, tenant_events
-from .upstreams import upstreams
+from .upstreams import LOOPBACK, upstreams
 
 # Longer than a few 16-token blocks of the real vocabulary, so a warm prefix shows in cached_tokens.
 LONG = ("The committee reviewed the quarterly figures, the staffing plan and the schedule for the new "
@@ -30,7 +30,7 @@ def fleet(tmp_path_factory, tiny_model_dir):
 async def front(tmp_path, sqlite_url, llm, fleet, tiny_model_dir):
     """A gateway (its own engine aside) whose models ``up`` (both replicas) and ``solo`` (the first)
     route to the fleet with the front's key there."""
-    async for g in open_gateway(tmp_path, sqlite_url, llm):
+    async for g in open_gateway(tmp_path, sqlite_url, llm, **LOOPBACK):
         g.db_url = sqlite_url
         for name, replicas in (("up", fleet.replicas), ("solo", fleet.replicas[:1])):
             route = {"kind": "kvgate", "urls": [u.base for u in replicas],

@@ -17,6 +17,10 @@ import httpx
 from tests.gateway.conftest import migrated_sqlite
 from tests.gateway.served import KVGATE, free_port, issue_admin_token
 
+# The suite's upstreams listen on loopback, which routes may reach only where the gateway allows private
+# addresses (``make serve`` does not): a gateway routing to them is opened with these settings.
+LOOPBACK = {"upstream_allow_private_addresses": True}
+
 
 @dataclass
 class Upstream:
