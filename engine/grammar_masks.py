@@ -53,7 +53,11 @@ class MaskJob:
 def _compute(matcher) -> bytes:
     mask = matcher.compute_bitmask()  # drops the GIL
     if matcher.is_error():
-        raise StructuredOutputError(f"the grammar failed: {matcher.get_error()}")
+        error = matcher.get_error()
+        if "NoExtensionBias" in error:  # as engine.outputs words it: the text can go no further
+            raise StructuredOutputError("no token of this model's vocabulary can continue the text as the "
+                                        "grammar requires")
+        raise StructuredOutputError(f"the grammar failed: {error}")
     return mask
 
 
