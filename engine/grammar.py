@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from engine.errors import EngineUnavailableError, StructuredOutputError
+from engine.grammar_masks import WORKER_NICE
 from engine.structured import StructuredOutput
 from engine.work_queue import FairWorkQueue, QueueFullError
 
@@ -94,7 +95,8 @@ class GrammarCompiler:
         self._lock = threading.Lock()
         self._token_lock = threading.Lock()
         self._queue = FairWorkQueue("kvgate-grammar", num_workers=COMPILE_WORKERS, max_running_per_key=1,
-                                    max_queued_per_key=PENDING_PER_KEY, max_queued=MAX_PENDING)
+                                    max_queued_per_key=PENDING_PER_KEY, max_queued=MAX_PENDING,
+                                    nice=WORKER_NICE)
 
     def submit(self, structured: StructuredOutput) -> Future:
         """A future of the compiled grammar (a template ``LLMatcher``; copy it with ``new_matcher``),

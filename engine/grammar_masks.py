@@ -24,6 +24,9 @@ from engine.work_queue import FairWorkQueue, QueueFullError
 MASK_DEADLINE_S = 1.0   # a row whose next mask is not done by then fails (its grammar costs too much)
 MASK_GRACE_S = 0.002    # how long a step waits for masks started just before it (a cheap grammar's ~0.1 ms)
 NUM_MASK_WORKERS = 2    # one tenant runs at most NUM_MASK_WORKERS - 1 of them at once
+# A costly grammar's masks take the CPU the forward pass leaves, not the forward pass's own: on a machine
+# with few cores a busy mask worker otherwise takes a core from every row of the step.
+WORKER_NICE = 10
 _MAX_QUEUED = 4096      # jobs waiting in all (at most one per constrained sequence: max_num_seqs bounds it)
 
 
@@ -87,7 +90,7 @@ class GrammarMasks:
         num_workers = max(2, num_workers)
         self._queue = FairWorkQueue("kvgate-mask", num_workers=num_workers,
                                     max_running_per_key=num_workers - 1, max_queued_per_key=_MAX_QUEUED,
-                                    max_queued=_MAX_QUEUED)
+                                    max_queued=_MAX_QUEUED, nice=WORKER_NICE)
 
     def start(self, groups: list[list[Sequence]]) -> None:
         """Start the next masks of ``groups`` (each a list of sequences at the same grammar state: one

@@ -3,6 +3,7 @@ workers take the keys in turn, and no key holds more than its share of the worke
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections import OrderedDict, deque
@@ -38,11 +39,14 @@ class FairWorkQueue:
         max_running_per_key: Jobs one key may run at once.
         max_queued_per_key: Jobs one key may have waiting (not yet running).
         max_queued: Jobs waiting in all.
+        nice: The workers' scheduling priority, added to the process's (Linux threads have their own):
+            positive yields the CPU to the process's other threads (the forward pass) when both want it.
     """
 
     def __init__(self, name: str, *, num_workers: int, max_running_per_key: int, max_queued_per_key: int,
-                 max_queued: int) -> None:
+                 max_queued: int, nice: int = 0) -> None:
         self.name = name
+        self.nice = nice
         self.num_workers = num_workers
         self.max_running_per_key = max(1, max_running_per_key)
         self.max_queued_per_key = max_queued_per_key
@@ -100,6 +104,11 @@ class FairWorkQueue:
         return None
 
     def _work(self) -> None:
+        if self.nice:
+            try:  # per thread on Linux; elsewhere (or where refused) the workers keep the process's priority
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.nice)
+            except (AttributeError, OSError):
+                pass
         while True:
             with self._cond:
                 picked = self._next()
