@@ -243,7 +243,8 @@ async def handle(
     """Admit, run and answer one completion request (``kind`` is ``chat`` or ``text``); ``auth_event`` is
     the request's deferred ``auth.success`` (see ``gateway.auth.DEFER_AUTH_AUDIT``). The reply settles
     the request's usage once sent (``gateway.asgi_io.send_reply``). With the connection's ``receive``,
-    a whole response's generation is aborted (and settled) when its client leaves: ``None`` then.
+    a whole response's generation, or a stream's before its head is sent, is aborted (and settled) when
+    its client leaves: ``None`` then.
     ``parse`` validates the request's body once the tenant is past its rate gate (``admission.gate``):
     a tenant over its rate is refused without the server validating what it sent."""
     gated = await _audited(rt, principal, kind, auth_event, gate(rt, principal))
@@ -254,11 +255,10 @@ async def handle(
         raise
     adm = await _audited(rt, principal, kind, auth_event, admit(rt, principal, req, kind, auth_event, gated))
     backend = BUILTIN if adm.upstream is None else UPSTREAM
-    if not req.stream:
-        if receive is None:
-            return await backend.run_whole(rt, adm)
-        return await unless_client_leaves(backend.run_whole(rt, adm), receive)
-    return await backend.open_stream(rt, adm, req.include_usage)
+    work = backend.open_stream(rt, adm, req.include_usage) if req.stream else backend.run_whole(rt, adm)
+    # A stream's head waits for its first output: a client that leaves before then has its request
+    # aborted now, not when that output comes (its engine place back to the others at once).
+    return await work if receive is None else await unless_client_leaves(work, receive)
 
 
 async def _open_stream(rt: Runtime, adm: Admission, include_usage: bool) -> StreamReply:
