@@ -5,7 +5,7 @@ from datetime import timedelta
 from sqlalchemy import text
 
 from gateway.clock import utcnow
-from gateway.schemas.admin import ADMIN_READ, LEGACY_SCOPES, RETENTION_READ
+from gateway.schemas.admin import ADMIN_READ, LEGACY_SCOPES, RETENTION_READ, ROUTES_WRITE
 from gateway.storage import migrate
 from gateway.storage.db import make_db_engine
 from tests.gateway.conftest import db_url, pg_user  # noqa: F401  (fixtures)
@@ -40,9 +40,11 @@ async def test_upgrade_keeps_old_powers_and_downgrade_revokes_what_it_cannot_exp
     await _add(db_url, "plain", "")
     await _add(db_url, "reader", RETENTION_READ)
     await migrate.upgrade(db_url)
-    legacy = " ".join(sorted(LEGACY_SCOPES))
+    # routes:write came after 0005 (routes were a policy editor's until then): 0005 never grants it
+    legacy_0005 = LEGACY_SCOPES - {ROUTES_WRITE}
+    legacy = " ".join(sorted(legacy_0005))
     assert await _tokens(db_url) == {
-        "plain": (legacy, False), "reader": (" ".join(sorted(LEGACY_SCOPES | {RETENTION_READ})), False)
+        "plain": (legacy, False), "reader": (" ".join(sorted(legacy_0005 | {RETENTION_READ})), False)
     }
     await _add(db_url, "narrow", ADMIN_READ)
     await _add(db_url, "expiring", legacy, expires_at=utcnow() + timedelta(days=1))

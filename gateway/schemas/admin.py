@@ -23,7 +23,8 @@ ADMIN_SCOPES = frozenset({
     ADMIN_READ, TENANTS_WRITE, POLICY_WRITE, KEYS_WRITE, AUDIT_EXPORT, RETENTION_READ, METRICS_READ,
     TOKENS_WRITE, ROUTES_WRITE,
 })
-# What an admin token issued before scopes could do: all but reading retained prompts and minting tokens.
+# An admin token's default scopes: all but reading retained prompts and minting tokens. Migration 0005 gave
+# the tokens issued before scopes this set as it was then, without routes:write (which came later).
 LEGACY_SCOPES = ADMIN_SCOPES - {RETENTION_READ, TOKENS_WRITE}
 MAX_EXPIRES_IN_SECONDS = 10 * 365 * 86400
 

@@ -167,13 +167,12 @@ def test_a_row_whose_mask_is_late_sits_out_steps_and_the_others_step_on(tiny_eng
     slow = engine.add_request([1, 2, 3], SamplingParams(
         max_tokens=6, temperature=0, structured=StructuredOutput(regex="[a-z]{1,40}")))
     steps: list[set[str]] = []
-    while slow in engine.requests:
+    while slow in engine.requests:  # the plain request may finish first: then the slow one steps alone
         steps.append({d.request_id for d in engine.step_deltas()})
     first = next(i for i, ids in enumerate(steps) if slow in ids)
     held = [ids for ids in steps[first:] if plain in ids and slow not in ids]
     # Before masks moved off the step, every step ran both rows: the slow row's mask held each one.
     assert held, "the plain request never stepped without the grammar row"
-    assert engine.requests[plain].seqs[0].num_output_tokens > 6
 
 
 def test_a_row_whose_mask_misses_its_deadline_fails_alone(tiny_engine_factory, slow_masks):
