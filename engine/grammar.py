@@ -183,7 +183,7 @@ class GrammarCompiler:
 
 def _was_dropped(fut: Future) -> bool:
     """A compile dropped before it started (its waiter had given up): compile it again when asked."""
-    return fut.done() and not fut.cancelled() and isinstance(fut.exception(), TimeoutError) or fut.cancelled()
+    return fut.cancelled() or (fut.done() and isinstance(fut.exception(), TimeoutError))
 
 
 def _trial(matcher: llguidance.LLMatcher, kind: str) -> None:
