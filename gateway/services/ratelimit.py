@@ -80,6 +80,11 @@ class _TenantCounts:
     minute_start: int = -1  # the minute window whose database request count was last seen
     num_minute_requests: int = 0  # that count (it only grows within its minute)
 
+    def num_requests(self, minute_start: int) -> int:
+        """The database's count for minute ``minute_start`` as last seen: 0 for a minute not seen yet (the
+        requests this process has pending still count: ``num_pending``)."""
+        return self.num_minute_requests if self.minute_start == minute_start else 0
+
     def observe(self, minute_start: int, num_requests: int) -> None:
         if minute_start > self.minute_start:
             self.minute_start, self.num_minute_requests = minute_start, num_requests
@@ -136,8 +141,10 @@ class TenantGate:
     """Refuses a tenant's request at its concurrency or requests-per-minute limit before any work that
     grows with the prompt (tokenizing), from what this process knows without asking the database: its
     own requests in flight, and the tenant's request count in the database's minute window as last seen
-    (it only grows within a minute) plus the requests since admitted here. The database's reservation
-    stays the authority (other gateway instances count there); this only answers early what it would.
+    (it only grows within a minute) plus this process's requests between the gate and their
+    reservation, also in a minute not seen yet: a burst gets at most the limit through at once, however
+    many arrive before the first reservation is back. The database's reservation stays the authority
+    (other gateway instances count there); this only answers early what it would.
 
     A request counts from the gate on (``take``), so a request still being tokenized already holds its
     slot and its place in the minute; whatever refuses it later gives them back (``Hold.give``).
@@ -166,14 +173,13 @@ class TenantGate:
             retry_after = 1.0 if wait_s is None else wait_s(counts.num_in_flight)
             raise exceeded("Too many concurrent requests for this tenant.", retry_after, "concurrency_limit")
         rpm, minute_start = policy.requests_per_minute, int(now // 60) * 60
-        if rpm is not None and counts.minute_start == minute_start:
-            if counts.num_minute_requests + counts.num_pending >= rpm:
-                reset_s = minute_start + 60 - now
-                error = exceeded(
-                    "Rate limit reached for requests or tokens per minute.", reset_s, "rate_limit_exceeded"
-                )
-                error.headers |= RateLimitInfo(rpm, 0, None, None, reset_s).headers()
-                raise error
+        if rpm is not None and counts.num_requests(minute_start) + counts.num_pending >= rpm:
+            reset_s = minute_start + 60 - now
+            error = exceeded(
+                "Rate limit reached for requests or tokens per minute.", reset_s, "rate_limit_exceeded"
+            )
+            error.headers |= RateLimitInfo(rpm, 0, None, None, reset_s).headers()
+            raise error
         return Hold(counts)
 
     def observe(self, tenant_id: str, minute_start: int, num_requests: int) -> None:
