@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from engine.determinism import MODES, check_mode
@@ -78,6 +79,13 @@ class EngineConfig:
             sequence waits for a slot instead of preempting another tenant's sequence while some running
             sequence has fewer than this many tokens left to generate (the slot it frees goes to the
             tenant under its share first); 0 preempts at once. A tenant running nothing never waits.
+        step_time_target_ms: Under ``fair``, while more than one tenant has work, the step's tokens
+            (decode rows and prefill chunks) are sized so that a step takes about this long (from the
+            measured cost of recent steps) and each tenant puts in at most its weighted share of them, so
+            a tenant with few streams gets fast steps while a flooder's extra rows wait
+            (``engine.time_share``); alone, a tenant has the whole step. ``None`` aims at 2.5 times a
+            step's fixed cost (measured: its share of the time then stays near 40 %); 0 turns the time
+            share off (the batch slots are still shared by weight).
         num_threads: torch intra-op threads; ``None`` pins to the number of physical cores.
         seed: Seeds the sampling of requests that bring no seed of their own.
         cache_dir: Where converted models (and built C++ kernels) live; ``None`` uses ``$KVGATE_CACHE``
@@ -123,6 +131,7 @@ class EngineConfig:
     scheduling_policy: str = "fair"
     priority_aging_steps: int = 256
     preemption_wait_steps: int = 16
+    step_time_target_ms: float | None = None
     num_threads: int | None = None
     seed: int = 0
     cache_dir: str | None = None
@@ -149,6 +158,9 @@ class EngineConfig:
             raise ValueError(f"scheduling_policy must be one of {_POLICIES}")
         if self.priority_aging_steps < 0 or self.preemption_wait_steps < 0:
             raise ValueError("priority_aging_steps and preemption_wait_steps must be >= 0")
+        if self.step_time_target_ms is not None and not (
+                self.step_time_target_ms >= 0 and math.isfinite(self.step_time_target_ms)):
+            raise ValueError("step_time_target_ms must be a finite number >= 0")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError("block_size must be a positive power of two")
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:

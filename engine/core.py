@@ -219,6 +219,8 @@ class LLMEngine(WholeOutputs):
             seqs, tokens, logprobs = self.runner.execute_isolating(sched.scheduled, failed)
             sampled = SampledStep(sched.scheduled, seqs, tokens, logprobs, failed,
                                   time.perf_counter() - t0, is_decode)
+            if not failed:  # a step that failed rows ran them again one at a time: not its cost
+                self.scheduler.observe_step(sampled.seconds)
         # runs while this one is recorded; never with grammar rows (their next masks follow the recording)
         ahead = self.overlap.launch(sampled, len(self.grammars) > 0
                                     or any(s.matcher is not None for s in sampled.seqs))

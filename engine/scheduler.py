@@ -10,6 +10,7 @@ from engine.config import EngineConfig
 from engine.fair import DEFAULT_SHARE, Ledger, Tenant, TenantShare
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import RequestStatus, Sequence
+from engine.time_share import NOMINAL_CPU, NOMINAL_CUDA, TimeShare, is_decode_row, tenant_demand
 
 
 @dataclass(slots=True)
@@ -43,7 +44,9 @@ class Scheduler:
       tenant under its share takes a slot back from the one furthest over it (at once if it runs nothing,
       else only when no running sequence ends within ``preemption_wait_steps``); prefill chunks go to the
       lowest virtual time first, and a tenant's ``max_kv_blocks`` caps what its running sequences hold.
-      Priorities apply within a tenant.
+      Priorities apply within a tenant. While two or more tenants have work, the step's time is shared
+      too (``engine.time_share``): the step is sized to ``step_time_target_ms`` and each tenant's decode
+      rows (its least recently served first) and prefill tokens stay within its weighted share of it.
 
     When the pool runs dry the least urgent running sequence is preempted (``fcfs``: the latest admitted;
     ``priority``: the highest priority value; ``fair``: of the tenant holding the most per weight), even
@@ -73,6 +76,11 @@ class Scheduler:
         self._enqueued: dict[int, int] = {}  # seq_id -> step it (re)joined the queue, for aging
         # seq_id -> leader whose prompt prefill the sequence waits for (n > 1 shares prompt blocks)
         self.leaders: dict[int, Sequence] = {}
+        self.time_share = None if self.policy != "fair" or config.step_time_target_ms == 0 else TimeShare(
+            config.step_time_target_ms, NOMINAL_CUDA if config.device.startswith("cuda") else NOMINAL_CPU)
+        self._served: dict[int, int] = {}  # seq_id -> step it last computed a token in (decode rotation)
+        self._num_fixed = 0  # fixed-mode sequences held: the time share's cost model stays nominal
+        self.last_step_shape = (0, 0)  # the last step's decode rows and prefill tokens (its cost model)
 
     # ---- queue ----------------------------------------------------------------------------------
     def add(self, seq: Sequence, leader: Sequence | None = None, share: TenantShare | None = None) -> None:
@@ -80,6 +88,7 @@ class Scheduler:
             self.leaders[seq.seq_id] = leader
         tenant = self.ledger.join((share or DEFAULT_SHARE) if self.policy == "fair" else DEFAULT_SHARE)
         seq.tenant = tenant
+        self._num_fixed += seq.mode == "fixed"
         self._enqueue(seq)
 
     def _enqueue(self, seq: Sequence) -> None:
@@ -120,15 +129,34 @@ class Scheduler:
         out = SchedulerOutput()
         self._budget = self.max_num_batched_tokens
         self._admitted_now = set()
+        self._begin_time_share()
         self._schedule_running(out)
         if not out.preempted:
             self._schedule_waiting(out)
+        rows = sum(1 for seq, n in out.scheduled if n == 1 and seq.num_computed_tokens >= seq.prompt_len)
+        self.last_step_shape = (rows, out.num_tokens - rows)
+        if self.time_share is not None:
+            self.time_share.end()
         return out
+
+    def _begin_time_share(self) -> None:
+        if self.time_share is None:
+            return
+        tenants = self.ledger.tenants.values()
+        self.time_share.begin(
+            {t.key: tenant_demand(t.running, t.waiting, self.max_num_batched_tokens) for t in tenants},
+            {t.key: t.weight for t in tenants}, self._num_fixed > 0)
+
+    def observe_step(self, seconds: float) -> None:
+        """The last scheduled step took ``seconds`` to run: the time share's cost model learns from it
+        (never while a ``fixed`` sequence is held: its schedule must not depend on the clock)."""
+        if self.time_share is not None and not self._num_fixed:
+            self.time_share.cost.observe(*self.last_step_shape, seconds * 1000.0)
 
     def schedule_ahead(self, seqs: list[Sequence]) -> bool:
         """Place ``seqs``' decode step after one whose tokens are not yet appended (``engine.overlap``);
         False unless nothing waits and each gets a block without preempting (blocks taken stay: used next)."""
-        if self.num_waiting or len(seqs) > self.max_num_batched_tokens:
+        if self.num_waiting or len(seqs) > self.max_num_batched_tokens or not self._fits_time_share(seqs):
             return False
         for seq in seqs:  # two slots: the pending token's and the new one's
             if (seq.status is not RequestStatus.RUNNING or self._over_cap(seq, 2)
@@ -139,12 +167,21 @@ class Scheduler:
             self.ledger.charge(seq.tenant, 1)
         return True
 
+    def _fits_time_share(self, seqs: list[Sequence]) -> bool:
+        if self.time_share is None:
+            return True
+        rows: dict[bytes, int] = {}
+        for seq in seqs:
+            rows[seq.tenant.key] = rows.get(seq.tenant.key, 0) + 1
+        return self.time_share.fits(rows.values(), self._num_fixed > 0)
+
     def _running_order(self) -> list[Sequence]:
         if self.policy != "fair":
             return list(self.running)
-        # decodes first, in admission order; then prefill chunks, lowest virtual time first
-        return sorted(self.running, key=lambda s: (0.0, 0) if s.num_tokens - s.num_computed_tokens <= 1
-                      else (1.0, s.tenant.vtime))
+        # decodes first, the least recently served first (a tenant over its time share rotates its rows);
+        # then prefill chunks, lowest virtual time first
+        return sorted(self.running, key=lambda s: (0.0, self._served.get(s.seq_id, 0))
+                      if s.num_tokens - s.num_computed_tokens <= 1 else (1.0, s.tenant.vtime))
 
     def _schedule_running(self, out: SchedulerOutput) -> None:
         for seq in self._running_order():
@@ -152,16 +189,36 @@ class Scheduler:
                 break
             if seq.status is not RequestStatus.RUNNING:
                 continue  # preempted as a victim earlier in this step
-            n = min(seq.num_tokens - seq.num_computed_tokens, self._budget)
+            n = self._share_of(seq, min(seq.num_tokens - seq.num_computed_tokens, self._budget))
+            if n == 0:
+                continue  # its tenant has spent its share of this step's time
             if seq.is_mask_pending and seq.num_computed_tokens + n == seq.num_tokens:
                 continue  # it would sample, and its grammar's mask is not ready: the step goes without it
             if self._make_room(seq, n, out):
                 self._place(seq, n, out)
 
+    def _share_of(self, seq: Sequence, n: int) -> int:
+        """Of ``n`` tokens ``seq`` could compute, those its tenant's share of the step's time allows."""
+        share = self.time_share
+        if share is None or not share.is_active:
+            return n
+        if not share.can_spend(seq.tenant.key):
+            return 0
+        return n if is_decode_row(seq, n) else share.prefill_tokens(seq.tenant.key, n)
+
     def _place(self, seq: Sequence, n: int, out: SchedulerOutput) -> None:
         out.scheduled.append((seq, n))
         self._budget -= n
+        self._charge(seq, n)
+
+    def _charge(self, seq: Sequence, n: int) -> None:
+        """Count ``n`` tokens (negative: given back) to ``seq``'s tenant."""
         self.ledger.charge(seq.tenant, n)
+        if self.time_share is not None:
+            rows = 1 if is_decode_row(seq, abs(n)) else 0
+            self.time_share.spend(seq.tenant.key, rows if n > 0 else -rows, 0 if rows else n)
+        if n > 0:
+            self._served[seq.seq_id] = self.num_steps
 
     def _over_cap(self, seq: Sequence, n: int) -> bool:
         tenant: Tenant = seq.tenant
@@ -198,7 +255,7 @@ class Scheduler:
             if s is seq:  # placed earlier in this step: take it out of the batch again
                 del out.scheduled[i]
                 self._budget += n
-                self.ledger.charge(seq.tenant, -n)
+                self._charge(seq, -n)
                 break
         self.running.remove(seq)
         seq.tenant.running.remove(seq)
@@ -225,10 +282,13 @@ class Scheduler:
     def _admit_one(self, seq: Sequence, out: SchedulerOutput) -> bool:
         if seq.is_mask_pending:  # preempted while its grammar's mask computed: back once it is done
             return False
+        if self._share_of(seq, 1) == 0:  # its tenant spent its share of the step's time
+            return False
         if len(self.running) >= self.max_num_seqs and not self._take_slot_for(seq.tenant, out):
             return False
         computed, num_cached = self.kv.get_computed_blocks(seq)
         n = min(seq.num_tokens - num_cached, self._budget)
+        n = self._share_of(seq, n)
         if self._over_cap(seq, n + num_cached):
             return False
         while not self.kv.allocate_slots(seq, n, computed):
@@ -291,16 +351,22 @@ class Scheduler:
         self.leaders.pop(seq.seq_id, None)
         self._enqueued.pop(seq.seq_id, None)
         self._lost.pop(seq.seq_id, None)
+        self._served.pop(seq.seq_id, None)
+        self._num_fixed -= seq.mode == "fixed"
         self.ledger.maybe_forget(tenant)
+        if self.time_share is not None and tenant.is_idle:
+            self.time_share.forget(tenant.key)
         seq.status = status
         seq.finish_time = time.monotonic()
         self.kv.cache_full_blocks(seq)
         self.kv.free(seq)
         self.kv.forget(seq)
 
-    def tenant_stats(self) -> dict[bytes, dict[str, int]]:
-        """Per busy tenant (``fair`` only): waiting and running sequences, KV blocks held."""
+    def tenant_stats(self) -> dict[bytes, dict[str, float]]:
+        """Per busy tenant (``fair`` only): waiting and running sequences, KV blocks held, and its recent
+        share of the step time (``engine.time_share``; 0 with the time share off)."""
         if self.policy != "fair":
             return {}
-        return {t.key: {"waiting": len(t.waiting), "running": len(t.running), "kv_blocks": t.num_blocks}
-                for t in self.ledger.tenants.values()}
+        shares = self.time_share.share if self.time_share is not None else {}
+        return {t.key: {"waiting": len(t.waiting), "running": len(t.running), "kv_blocks": t.num_blocks,
+                        "step_share": shares.get(t.key, 0.0)} for t in self.ledger.tenants.values()}

@@ -29,8 +29,8 @@ class EngineStats:
     num_cache_evictions: int = 0  # cached blocks evicted for new ones
     num_guarded_evictions: int = 0  # of those, blocks of a namespace within its guaranteed share
     namespaces: dict[bytes, dict[str, int]] = field(default_factory=dict)
-    # per busy tenant under the ``fair`` policy: waiting and running sequences, KV blocks held
-    tenants: dict[bytes, dict[str, int]] = field(default_factory=dict)
+    # per busy tenant under the ``fair`` policy: waiting and running sequences, KV blocks held, step share
+    tenants: dict[bytes, dict[str, float]] = field(default_factory=dict)
 
 
 class StatsTracker:

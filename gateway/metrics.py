@@ -56,15 +56,17 @@ _TENANT_GAUGES = (
     ("waiting", "kvgate_tenant_waiting_requests", "A tenant's sequences waiting in the engine"),
     ("running", "kvgate_tenant_running_requests", "A tenant's sequences running in the engine"),
     ("kv_blocks", "kvgate_tenant_kv_blocks", "KV blocks a tenant's running sequences hold"),
+    ("step_share", "kvgate_tenant_step_share", "A tenant's recent share of the engine's step time "
+     "(decode rows and prefill tokens by their measured cost; about the last 10 steps)"),
 )
 
 
-def _tenant_gauges(tenants: dict[bytes, dict[str, int]]) -> Iterator[GaugeMetricFamily]:
+def _tenant_gauges(tenants: dict[bytes, dict[str, float]]) -> Iterator[GaugeMetricFamily]:
     """Per busy tenant (the engine's fair-share accounts, keyed by tenant id); idle tenants are absent."""
     for field, name, doc in _TENANT_GAUGES:
         family = GaugeMetricFamily(name, doc, labels=["tenant"])
         for key, figures in tenants.items():
-            family.add_metric([key.decode(errors="replace")], figures[field])
+            family.add_metric([key.decode(errors="replace")], figures.get(field, 0))
         yield family
 
 

@@ -55,6 +55,10 @@ class Settings(BaseSettings):
         scheduling_policy: ``fair`` (tenants share the engine's batch by their policies' ``share``, the
             default), ``priority`` (by the policies' ``priority`` alone) or ``fcfs``; see
             docs/operations.md#fair-share.
+        step_time_target_ms: Under ``fair``, while two or more tenants have work, the engine sizes each
+            step to take about this long and each tenant puts in at most its weighted share of it, so
+            one tenant's many streams cannot slow another's (docs/operations.md#a-share-of-the-step-time).
+            Unset: 2.5 times a step's measured fixed cost; 0 turns it off.
         prefix_cache_guaranteed_fraction: Each prefix-cache namespace's guaranteed share of the cached
             blocks, as a fraction of the KV pool: eviction takes blocks of the namespaces caching more
             than that first, so one tenant's traffic cannot flush another's cached prefixes below it
@@ -165,6 +169,7 @@ class Settings(BaseSettings):
     engine_heap_trim_interval_s: float = Field(default=5.0, ge=0)
     grammar_mask_deadline_s: float = Field(default=1.0, gt=0, le=60)
     scheduling_policy: Literal["fair", "priority", "fcfs"] = "fair"
+    step_time_target_ms: float | None = Field(default=None, ge=0, le=60_000)
     prefix_cache_guaranteed_fraction: float = Field(default=0.05, ge=0, le=1)
     max_queued_requests: int | None = Field(default=None, ge=0)
     max_model_len: int | None = None
@@ -244,6 +249,7 @@ class Settings(BaseSettings):
             max_model_len=self.max_model_len,
             num_threads=self.engine_threads,
             scheduling_policy=self.scheduling_policy,
+            step_time_target_ms=self.step_time_target_ms,
             prefix_cache_guaranteed_fraction=self.prefix_cache_guaranteed_fraction,
             fixed_mmap_threshold=self.engine_fixed_mmap_threshold,
             heap_trim_interval_s=self.engine_heap_trim_interval_s,

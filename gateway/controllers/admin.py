@@ -164,11 +164,13 @@ class AdminController(Controller):
     async def get_engine_share(
         self, session: AsyncSession, runtime: Runtime, tenant_id: str
     ) -> EngineShareOut:
-        """The tenant's requests waiting and running in the engine, and the KV blocks they hold, now."""
+        """The tenant's requests waiting and running in the engine, the KV blocks they hold, and its recent
+        share of the engine's step time, now."""
         await tenants.get_tenant(session, tenant_id)  # 404 for an unknown tenant
         figures = runtime.engine.stats().tenants.get(tenant_id.encode(), {})
         return EngineShareOut(tenant_id=tenant_id, waiting=figures.get("waiting", 0),
-                              running=figures.get("running", 0), kv_blocks=figures.get("kv_blocks", 0))
+                              running=figures.get("running", 0), kv_blocks=figures.get("kv_blocks", 0),
+                              step_share=figures.get("step_share", 0.0))
 
     @get("/admin-tokens")
     async def list_admin_tokens(self, session: AsyncSession) -> list[AdminTokenOut]:

@@ -124,6 +124,7 @@ class EngineShareOut(_Frozen):
     waiting: int
     running: int
     kv_blocks: int
+    step_share: float = 0.0  # its recent share of the engine's step time (docs/operations.md)
 
 
 class UsageRow(_Frozen):

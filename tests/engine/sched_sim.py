@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
+from collections.abc import Callable
 
 from engine import EngineConfig, SamplingParams
 from engine.fair import TenantShare
@@ -14,13 +15,20 @@ from engine.scheduler import Scheduler
 
 
 class SimEngine:
+    """``step_cost(rows, prefill_tokens)``, when given, is each step's synthetic time in ms, which the
+    scheduler observes as it would a measured one (``Scheduler.observe_step``)."""
+
     def __init__(self, *, num_blocks: int = 64, block_size: int = 4, max_num_seqs: int = 8,
                  max_num_batched_tokens: int = 32, policy: str = "fair", aging: int = 64,
-                 prefix_caching: bool = False, wait: int = 16) -> None:
+                 prefix_caching: bool = False, wait: int = 16, step_time_target_ms: float | None = None,
+                 step_cost: Callable[[int, int], float] | None = None) -> None:
         cfg = EngineConfig(num_kv_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
                            max_num_batched_tokens=max_num_batched_tokens, scheduling_policy=policy,
                            priority_aging_steps=aging, enable_prefix_caching=prefix_caching,
-                           preemption_wait_steps=wait)
+                           preemption_wait_steps=wait, step_time_target_ms=step_time_target_ms)
+        self.step_cost = step_cost
+        self.step_ms: list[float] = []  # each step's synthetic time, with step_cost
+        self.seqs: dict[int, Sequence] = {}  # every sequence added, by id
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=prefix_caching)
         self.sched = Scheduler(cfg, self.kv)
         self._ids = itertools.count()
@@ -31,12 +39,13 @@ class SimEngine:
         self.max_blocks: Counter[bytes] = Counter()  # most KV blocks a tenant's running sequences held
 
     def add(self, key: bytes = b"", *, prompt_len: int = 8, max_tokens: int = 8, weight: float = 1.0,
-            priority: int = 0, cap: int | None = None) -> Sequence:
+            priority: int = 0, cap: int | None = None, mode: str = "fast") -> Sequence:
         sid = next(self._ids)
         seq = Sequence(sid, f"r{sid}", 0, [1000 + sid * 7 + i for i in range(prompt_len)],
                        SamplingParams(max_tokens=max_tokens), arrival_time=float(sid), priority=priority,
-                       max_len=prompt_len + max_tokens)
+                       max_len=prompt_len + max_tokens, mode=mode)
         seq.cache_namespace = key
+        self.seqs[sid] = seq
         self.sched.add(seq, share=TenantShare(key, weight, cap))
         return seq
 
@@ -45,6 +54,9 @@ class SimEngine:
         self.step_no += 1
         out = self.sched.schedule()
         self.log.append([(s.seq_id, n) for s, n in out.scheduled])
+        if self.step_cost is not None and not out.is_empty:
+            self.step_ms.append(self.step_cost(*self.sched.last_step_shape))
+            self.sched.observe_step(self.step_ms[-1] / 1000.0)
         for key, t in self.sched.ledger.tenants.items():
             self.max_blocks[key] = max(self.max_blocks[key], t.num_blocks)
         done = []

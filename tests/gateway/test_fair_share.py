@@ -30,6 +30,7 @@ async def test_a_busy_tenant_shows_in_metrics_and_leaves_them_when_idle(gw):
     text = (await gw.client.get("/metrics", headers=gw.admin())).text
     assert f'kvgate_tenant_running_requests{{tenant="{tid}"}} 1.0' in text
     assert f'kvgate_tenant_kv_blocks{{tenant="{tid}"}}' in text
+    assert f'kvgate_tenant_step_share{{tenant="{tid}"}} 1.0' in text  # alone: every step is its own
     await stream.aclose()  # the caller leaves: the engine aborts it
     for _ in range(100):
         if not engine.stats().tenants:

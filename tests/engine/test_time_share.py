@@ -1,0 +1,146 @@
+"""The engine's step time shared by tenants (``engine.time_share``), on synthetic load with synthetic step
+costs (the real scheduler and KV manager, no model: tests/engine/sched_sim.py)."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine.time_share import StepCost, water_fill
+from tests.engine.sched_sim import SimEngine
+
+TARGET_MS = 60.0
+
+
+def cpu_cost(rows: int, prefill: int) -> float:
+    """A 2-core CPU's step: a fixed cost, then every row and prefill token costs time."""
+    return 25.0 + 0.7 * rows + 0.4 * prefill
+
+
+def _keep_busy(sim: SimEngine, key: bytes, outstanding: int, **kw) -> None:
+    tenant = sim.sched.ledger.tenants.get(key)
+    have = len(tenant.waiting) + len(tenant.running) if tenant else 0
+    for _ in range(outstanding - have):
+        sim.add(key, **kw)
+
+
+def _busy_48_8(target: float | None, steps: int = 300, cost=cpu_cost) -> tuple[SimEngine, Counter, list]:
+    """Tenant a keeps 48 long requests in flight, b 8 chat turns: 56 < 64 slots, so no slot is contended.
+    Returns the sim, each tenant's step time served (ms, by the model) after warm-up, and b's rows/step."""
+    sim = SimEngine(num_blocks=4096, block_size=16, max_num_seqs=64, max_num_batched_tokens=512,
+                    step_time_target_ms=target, step_cost=cost)
+    served: Counter = Counter()
+    b_rows = []
+    for i in range(steps):
+        _keep_busy(sim, b"a", 48, prompt_len=256, max_tokens=128)
+        _keep_busy(sim, b"b", 8, prompt_len=256, max_tokens=64)
+        sim.step()
+        if i < steps // 3:
+            continue
+        rows = Counter()
+        for sid, n in sim.log[-1]:
+            seq = sim.seqs[sid]
+            is_row = n == 1 and seq.num_computed_tokens - 1 >= seq.prompt_len
+            served[seq.cache_namespace] += 0.7 if is_row else 0.4 * n
+            rows[seq.cache_namespace] += is_row
+        b_rows.append(rows[b"b"])
+    return sim, served, b_rows
+
+
+def test_a_flood_that_fits_in_the_batch_gets_half_the_step_time_not_its_rows():
+    sim, served, _ = _busy_48_8(TARGET_MS)
+    share = served[b"b"] / (served[b"a"] + served[b"b"])
+    assert share > 0.4, share
+    late = sim.step_ms[len(sim.step_ms) // 3:]
+    assert sum(late) / len(late) < TARGET_MS * 1.15  # steps near the target, not the flood's size
+
+
+def test_without_the_time_share_the_flood_takes_the_step_by_its_rows():
+    """The contrast: slot fairness alone gives b 8 of 56 rows and a's prefill chunks make steps long."""
+    sim, served, _ = _busy_48_8(0)
+    share = served[b"b"] / (served[b"a"] + served[b"b"])
+    assert share < 0.3, share
+    late = sim.step_ms[len(sim.step_ms) // 3:]
+    assert sum(late) / len(late) > TARGET_MS * 1.5
+
+
+def test_alone_a_tenant_has_the_whole_step():
+    sim = SimEngine(num_blocks=4096, block_size=16, max_num_seqs=64, max_num_batched_tokens=512,
+                    step_time_target_ms=TARGET_MS, step_cost=cpu_cost)
+    for _ in range(200):
+        _keep_busy(sim, b"a", 56, prompt_len=64, max_tokens=128)
+        rows = {s.seq_id for s in sim.sched.running if s.num_tokens - s.num_computed_tokens == 1}
+        sim.step()
+        assert not sim.sched.time_share.is_active
+        assert rows <= dict(sim.log[-1]).keys()  # every decode row in the step, however long it is
+    assert max(sim.step_ms) > 2 * TARGET_MS
+
+
+@settings(max_examples=10, deadline=None)
+@given(w_a=st.sampled_from([0.01, 0.1, 1.0, 10.0, 100.0]), w_b=st.sampled_from([0.01, 0.1, 1.0, 10.0, 100.0]))
+def test_no_tenant_starves_at_any_weight(w_a, w_b):
+    """b's one request finishes while a floods, within the steps its weighted share of the step time
+    takes to pay for it (and a always progresses too)."""
+    sim = SimEngine(num_blocks=2048, block_size=16, max_num_seqs=32, max_num_batched_tokens=256,
+                    step_time_target_ms=TARGET_MS, step_cost=cpu_cost)
+    for _ in range(20):
+        _keep_busy(sim, b"a", 40, weight=w_a, prompt_len=32, max_tokens=32)
+        sim.step()
+    meek = sim.add(b"b", weight=w_b, prompt_len=16, max_tokens=4)
+    allowance = (2.5 * 25.0 - 25.0) * w_b / (w_a + w_b)  # ms of each step b is owed
+    bound = 40 + 2 * (0.4 * 16 + 0.7 * 4) / allowance
+    a_before = sim.served[b"a"]
+    while meek not in sim.finished:
+        _keep_busy(sim, b"a", 40, weight=w_a, prompt_len=32, max_tokens=32)
+        sim.step()
+        assert sim.step_no < 20 + bound
+    assert sim.served[b"a"] > a_before
+
+
+def test_a_fixed_schedule_does_not_depend_on_the_step_times():
+    """While a fixed-mode sequence is held the cost model stays nominal: two runs whose steps took
+    different times schedule alike; fast sequences' schedule follows the measured times."""
+    def run(mode: str, seed: int) -> list:
+        rng = random.Random(seed)
+        sim = SimEngine(num_blocks=4096, block_size=16, max_num_seqs=64, max_num_batched_tokens=512,
+                        step_time_target_ms=TARGET_MS,
+                        step_cost=lambda r, p: cpu_cost(r, p) * rng.uniform(0.3, 3.0))
+        for i in range(150):
+            _keep_busy(sim, b"a", 40, prompt_len=48 + i % 5, max_tokens=40, mode=mode)
+            _keep_busy(sim, b"b", 6, prompt_len=64, max_tokens=20, mode=mode)
+            sim.step()
+        return sim.log
+
+    assert run("fixed", 1) == run("fixed", 2)
+    assert run("fast", 1) != run("fast", 2)
+
+
+def test_each_tenants_step_share_is_reported():
+    sim, _, _ = _busy_48_8(TARGET_MS, steps=120)
+    stats = sim.sched.tenant_stats()
+    shares = {k: v["step_share"] for k, v in stats.items()}
+    assert sum(shares.values()) == pytest.approx(1.0, abs=0.05)
+    assert shares[b"b"] > 0.35
+
+
+def test_the_cost_model_learns_the_step_time():
+    cost = StepCost((25.0, 0.7, 0.4))
+    rng = random.Random(0)
+    for _ in range(300):  # a slower machine than the nominal one
+        rows, prefill = rng.randint(1, 64), rng.choice([0, 0, 64, 256])
+        cost.observe(rows, prefill, 40.0 + 1.5 * rows + 0.9 * prefill)
+    assert cost.predict(32, 0) == pytest.approx(40.0 + 1.5 * 32, rel=0.05)
+    assert cost.predict(8, 256) == pytest.approx(40.0 + 12.0 + 0.9 * 256, rel=0.05)
+    before = cost.predict(8, 0)
+    cost.observe(8, 0, 10_000.0)  # a stall (swapped out, a page fault storm): not a cost
+    assert cost.predict(8, 0) == before
+
+
+def test_water_fill_gives_what_one_does_not_want_to_the_others():
+    out = water_fill(30.0, {b"a": 100.0, b"b": 5.0, b"c": 100.0}, {b"a": 1.0, b"b": 1.0, b"c": 2.0})
+    assert out[b"b"] == 5.0
+    assert out[b"a"] == pytest.approx(25.0 / 3) and out[b"c"] == pytest.approx(50.0 / 3)
