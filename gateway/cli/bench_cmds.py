@@ -219,21 +219,41 @@ def bench_fairness(
     b_backlog: int = typer.Option(32, help="Tenant B's requests kept in flight in the share phases"),
     policies: str = typer.Option("fair,fcfs", help="Comma list of scheduling policies, each in "
                                                        "its own engine"),
+    cases: str = typer.Option("alone,flood,share,busy",
+                              help="Comma list of cases: alone (B alone, one stream), flood (B's one stream "
+                                   "under A's flood), share (both with a backlog, 1:1 and 3:1), busy (A's "
+                                   "streams and B's chat streams all fit in the batch, against B alone "
+                                   "with as many streams)"),
+    busy: str = typer.Option("48:8,64:1", help="The busy cases: comma list of A's streams:B's streams"),
+    step_time_targets: str = typer.Option(
+        "", help="Comma list of fair's step_time_target_ms, an engine each (0: slots only, fair-slots; "
+                 "auto: the engine's own choice); default: 0 and EngineConfig's default (fair-time)"),
     model: str = typer.Option(None, help="Model (default: the default model)"),
     out: str = typer.Option("bench-results/fairness.json", help="Where to write the JSON results"),
 ) -> None:
     """One tenant floods the engine (run as `kvgate serve` runs it) while another keeps asking: the second
-    tenant's TTFT against alone, and each tenant's share of the tokens, under fair share and FCFS."""
+    tenant's TTFT, inter-token latency and share of the tokens, under fair share (by batch slots, and by
+    step time at each target) and FCFS."""
     from pathlib import Path
 
-    from bench.fairness import FairnessConfig, format_table, run_fairness, verdict
+    from bench.fairness import FairnessConfig, parse_busy, run_fairness
+    from bench.fairness_engines import parse_step_time_targets
+    from bench.fairness_report import JUDGED_PHASE, format_busy_verdict, format_table, verdict
 
+    try:
+        cfg = FairnessConfig(seconds=seconds, warmup_s=warmup_s, flood=flood, b_backlog=b_backlog,
+                             policies=tuple(policies.split(",")), model=model,
+                             cases=tuple(c.strip() for c in cases.split(",")), busy=parse_busy(busy),
+                             step_time_targets=parse_step_time_targets(step_time_targets))
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
     Path(out).parent.mkdir(parents=True, exist_ok=True)
-    cfg = FairnessConfig(seconds=seconds, warmup_s=warmup_s, flood=flood, b_backlog=b_backlog,
-                         policies=tuple(policies.split(",")), model=model)
     rows = run_fairness(cfg, out)
     typer.echo(format_table(rows))
-    typer.echo(f"verdict: {verdict(rows)}")
+    summary = verdict(rows)
+    typer.echo(f"verdict: {summary}")
+    if JUDGED_PHASE in summary:
+        typer.echo(format_busy_verdict(summary[JUDGED_PHASE]))
     typer.echo(f"JSON: {out}")
 
 
