@@ -61,7 +61,9 @@ class Admission:
     # engine's fingerprint for the request's determinism mode, known before the first token.
     prompt_hash: str | None = None
     system_fingerprint: str | None = None
-    place: EnginePlace | None = None  # in the engine gate, given back when the request's settlement starts
+    # In the engine gate: a claim until ``place.take()`` (once the reservation decided), then the place,
+    # given back when the request's settlement starts.
+    place: EnginePlace | None = None
     share: TenantShare | None = None  # the tenant's account in the engine's fair share
     tools: ToolMode | None = None  # how tool calls are read out of the reply (chat with tools only)
     upstream: UpstreamCall | None = None  # the request for the model's upstream pool; None: the engine
@@ -252,8 +254,10 @@ async def admit(
 
     Cheapest checks first, so that a refusal costs less than what it refuses: the concurrency and
     request-rate limits as this process knows them (``gate``: ``gated`` when the caller passed it
-    before validating the body), the model and the policy's feature checks, a place in the engine
-    (``Runtime.overload``), the prompt's bytes, then its tokens, the policy and the reservation.
+    before validating the body), the model and the policy's feature checks, a claim on a place in the
+    engine (``Runtime.overload``), the prompt's bytes, then its tokens, the policy and the reservation.
+    The claim becomes the place once the reservation has decided (the caller's ``place.take()``), so a
+    request the database refuses never held a place another tenant's request needed.
     ``auth_event``, the request's ``auth.success`` when the middleware deferred it, is recorded in the
     reservation's transaction (unrecorded if refused).
 
@@ -261,7 +265,8 @@ async def admit(
         NotFound: Unknown model.
         PolicyViolation: Over a static limit (e.g. 400 ``context_length_exceeded``).
         InvalidRequest: A determinism mode this engine does not serve (400 ``determinism_unavailable``).
-        QuotaExceeded: Over a rate or quota, or the tokenizing pool is full (429 with ``Retry-After``).
+        QuotaExceeded: Over a rate or quota, the tokenizing pool is full, or the tenant claims its share
+            of the engine's places while others need the rest (429 with ``Retry-After``).
         EngineOverloaded: Every place in the engine is taken (503 with ``Retry-After``).
         AuditUnavailableError: The admission could not be audited (503; the reservation is released).
     """
@@ -276,7 +281,8 @@ async def admit(
         check_cache_fields(req, policy, target)
         found = constraint(req, policy, principal.tenant_id or "")  # the policy's feature checks: cheap
         if target is None:  # an upstream pool has no place to give: its servers queue or answer 503
-            place = rt.overload.take()  # after the tenant's own limits: over them, the answer is its 429
+            # After the tenant's own limits (over them, the answer is its 429); taken once reserved.
+            place = rt.overload.claim(principal.tenant_id or "")
         prompt_ids, decision = await _decide(rt, principal, policy, req, target)
         if target is None:  # an upstream compiles its own constraints
             await check_compiles(rt.engine.tokenizer, found)

@@ -19,6 +19,7 @@ from gateway.errors import (
     EngineOverloaded,
     GatewayError,
     InvalidRequest,
+    QuotaExceeded,
     RequestFailed,
     ServiceUnavailable,
     ShuttingDown,
@@ -28,7 +29,7 @@ from gateway.runtime import Runtime
 from gateway.schemas.openai import ChatCompletionRequest, CompletionRequest
 from gateway.services.admission import Admission, admit, gate
 from gateway.services.keys import Principal
-from gateway.services.settlement import Progress, finish, finish_soon, until_committed
+from gateway.services.settlement import Progress, finish, finish_soon, settle_unstarted, until_committed
 from gateway.tool_calls import CallParser
 from gateway.upstream import backend as upstream_backend
 
@@ -232,6 +233,20 @@ async def _audited(rt: Runtime, principal: Principal, kind: str, auth_event: Def
         raise
 
 
+async def _take_place(rt: Runtime, adm: Admission) -> None:
+    """Take the engine place the request claimed, now that its reservation has decided. Refused (the
+    places went to other tenants' requests meanwhile, or its tenant is over its share of them), the
+    request is settled as never run (``settle_unstarted``) and the refusal raised."""
+    if adm.place is None:
+        return
+    try:
+        adm.place.take()
+    except (QuotaExceeded, EngineOverloaded) as e:
+        await settle_unstarted(rt, adm, e.status_code)
+        rt.metrics.requests.labels(adm.principal.tenant_id or "", adm.kind, str(e.status_code)).inc()
+        raise
+
+
 async def handle(
     rt: Runtime,
     principal: Principal,
@@ -254,6 +269,7 @@ async def handle(
         gated.hold.give()
         raise
     adm = await _audited(rt, principal, kind, auth_event, admit(rt, principal, req, kind, auth_event, gated))
+    await _take_place(rt, adm)
     backend = BUILTIN if adm.upstream is None else UPSTREAM
     work = backend.open_stream(rt, adm, req.include_usage) if req.stream else backend.run_whole(rt, adm)
     # A stream's head waits for its first output: a client that leaves before then has its request

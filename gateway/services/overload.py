@@ -1,10 +1,15 @@
 """Engine admission: a bounded number of requests past admission, refused at once beyond it.
 
-Every request the gateway admits holds one place from its admission (before tokenizing) until its
-settlement starts: a whole response's last token, a stream's last byte handed to its connection, or its
-abort. Places are ``max_num_seqs`` (the engine's batch) plus ``max_queued`` (requests that may wait for a
-place in it), so the engine's waiting queue, the pipe to it and the outputs held for clients never grow
-past that many requests. One request more is answered at once with a 503 ``engine_overloaded``.
+Every request the gateway admits holds one place from its reservation until its settlement starts: a
+whole response's last token, a stream's last byte handed to its connection, or its abort. Places are
+``max_num_seqs`` (the engine's batch) plus ``max_queued`` (requests that may wait for a place in it), so
+the engine's waiting queue, the pipe to it and the outputs held for clients never grow past that many
+requests. One request more is answered at once with a 503 ``engine_overloaded``.
+
+A request first *claims* its place, before its prompt is read, so that a full gate refuses it cheaply;
+the claim becomes the place once the tenant's reservation has decided (``EnginePlace.take``). A claim
+counts against its own tenant only: a burst that the tenant's limits will refuse (another replica's
+requests fill its rate, say) never took a place another tenant's request needed.
 
 Its ``Retry-After`` comes from the measured drain rate: the requests ahead of a newcomer
 (``queued / drain_rate``), clamped to [1, 60] s. The rate counts places given back per second of busy
@@ -16,6 +21,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from gateway.errors import EngineOverloaded
 
@@ -81,20 +87,44 @@ class DrainRate:
             self._last = now
 
 
+@dataclass(slots=True)
+class _Tenant:
+    """One tenant's part of the gate."""
+
+    num_held: int = 0  # places: requests whose reservation decided, until their settlement starts
+    num_claimed: int = 0  # claims: requests past the tenant's own limits, before their reservation
+
+    def is_idle(self) -> bool:
+        return self.num_held == 0 and self.num_claimed == 0
+
+
 class EnginePlace:
-    """One admitted request's place; ``give`` is idempotent (every way a request ends may call it)."""
+    """One admitted request's place: claimed before its prompt is read, taken once its reservation has
+    decided. ``give`` is idempotent (every way a request ends may call it), whichever it holds."""
 
-    __slots__ = ("_gate", "_is_held")
+    __slots__ = ("_gate", "tenant_id", "is_claimed", "is_held")
 
-    def __init__(self, gate: EngineGate) -> None:
-        self._gate, self._is_held = gate, True
+    def __init__(self, gate: EngineGate, tenant_id: str) -> None:
+        self._gate, self.tenant_id = gate, tenant_id
+        self.is_claimed, self.is_held = True, False
+
+    def take(self) -> None:
+        """Turn the claim into the place (the claim stays, for ``give``, if refused).
+
+        Raises:
+            EngineOverloaded: No place is free (503 ``engine_overloaded``).
+        """
+        if not self.is_claimed:
+            raise RuntimeError("a place is taken once, from its claim")
+        self._gate._take(self.tenant_id)
+        self.is_claimed, self.is_held = False, True
 
     def give(self, *, is_finished: bool = True) -> None:
-        """Give the place back: ``is_finished`` when the engine worked on the request (it counts in the
-        drain rate), not when admission refused it."""
-        if self._is_held:
-            self._is_held = False
-            self._gate._give(is_finished)
+        """Give the claim or the place back: ``is_finished`` when the engine worked on the request (it
+        counts in the drain rate), not when admission refused it."""
+        if self.is_claimed or self.is_held:
+            was_held, self.is_claimed, self.is_held = self.is_held, False, False
+            self._gate._give(self.tenant_id, was_held, is_finished)
 
 
 class EngineGate:
@@ -115,23 +145,22 @@ class EngineGate:
         self.num_in_flight = 0
         self.drain = DrainRate(tau_s)
         self._clock = clock
+        self._tenants: dict[str, _Tenant] = {}  # tenants holding or claiming places
 
-    def take(self) -> EnginePlace:
-        """A place for one more request.
+    def claim(self, tenant_id: str) -> EnginePlace:
+        """A claim on a place for one more request of ``tenant_id``, which ``EnginePlace.take`` turns into
+        the place once its reservation has decided.
 
         Raises:
-            EngineOverloaded: Every place is held (503 ``engine_overloaded`` with ``Retry-After``).
+            EngineOverloaded: No place is free for it (503 ``engine_overloaded`` with ``Retry-After``).
         """
-        if self.num_in_flight >= self.limit:
-            raise EngineOverloaded(
-                "The server is overloaded: too many requests are waiting for the engine; retry after the "
-                "time in Retry-After.",
-                headers={"Retry-After": str(self.retry_after_s())},
-            )
-        if self.num_in_flight == 0:
-            self.drain.set_busy(self._clock(), True)
-        self.num_in_flight += 1
-        return EnginePlace(self)
+        t = self._tenants.setdefault(tenant_id, _Tenant())
+        if self.num_in_flight + t.num_claimed >= self.limit:
+            if t.is_idle():
+                del self._tenants[tenant_id]
+            raise self._overloaded()
+        t.num_claimed += 1
+        return EnginePlace(self, tenant_id)
 
     def retry_after_s(self) -> int:
         """The wait a refused request is told: the requests queued ahead of it over the drain rate."""
@@ -148,10 +177,39 @@ class EngineGate:
         """The measured drain rate (0 before any): for the metrics."""
         return self.drain.per_second(self._clock()) or 0.0
 
-    def _give(self, is_finished: bool) -> None:
-        now = self._clock()
-        if is_finished:
-            self.drain.add(now)
-        self.num_in_flight -= 1
+    def num_places(self, tenant_id: str) -> tuple[int, int]:
+        """``tenant_id``'s places and claims."""
+        t = self._tenants.get(tenant_id)
+        return (0, 0) if t is None else (t.num_held, t.num_claimed)
+
+    def _overloaded(self) -> EngineOverloaded:
+        return EngineOverloaded(
+            "The server is overloaded: too many requests are waiting for the engine; retry after the "
+            "time in Retry-After.",
+            headers={"Retry-After": str(self.retry_after_s())},
+        )
+
+    def _take(self, tenant_id: str) -> None:
+        if self.num_in_flight >= self.limit:
+            raise self._overloaded()
+        t = self._tenants[tenant_id]
+        t.num_claimed -= 1
+        t.num_held += 1
         if self.num_in_flight == 0:
-            self.drain.set_busy(now, False)
+            self.drain.set_busy(self._clock(), True)
+        self.num_in_flight += 1
+
+    def _give(self, tenant_id: str, was_held: bool, is_finished: bool) -> None:
+        t = self._tenants[tenant_id]
+        now = self._clock()
+        if not was_held:
+            t.num_claimed -= 1
+        else:
+            t.num_held -= 1
+            if is_finished:
+                self.drain.add(now)
+            self.num_in_flight -= 1
+            if self.num_in_flight == 0:
+                self.drain.set_busy(now, False)
+        if t.is_idle():
+            del self._tenants[tenant_id]

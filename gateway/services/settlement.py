@@ -127,6 +127,35 @@ def _is_finished(tenant_id: str | None, request_id: str, conn: Connection) -> bo
     return conn.execute(_FINISHED, {"tid": tenant_id, "rid": request_id}).first() is not None
 
 
+def _finished_fields(adm: Admission, last: Any, usage: tuple[int, int, int], is_done: bool) -> dict[str, Any]:
+    """``request.finished``'s fields: what the request used, and its determinism receipt."""
+    num_prompt, num_completion, num_cached = usage
+    return {
+        "request_id": adm.request_id,
+        "tenant_id": adm.principal.tenant_id,
+        "key_id": adm.principal.key_id,
+        "finish_reasons": [] if last is None else [o.finish_reason for o in last.outputs],
+        "num_prompt_tokens": num_prompt,
+        "num_completion_tokens": num_completion,
+        "num_cached_tokens": num_cached,
+        "is_aborted": not is_done,
+        **Receipt.of(adm, last).fields(),  # the determinism receipt `kvgate replay` checks
+    }
+
+
+async def settle_unstarted(rt: Runtime, adm: Admission, status_code: int) -> None:
+    """Settle an admitted request that never reached the engine (refused its place once reserved, with
+    ``status_code``): its claim, hold, slot and reserved tokens all given back, nothing charged, and its
+    ``request.finished`` recorded with no usage and that status. Shielded, as ``finish`` is."""
+    with anyio.CancelScope(shield=True):
+        if adm.place is not None:
+            adm.place.give(is_finished=False)
+        if not await _is_committed(adm):  # nothing was reserved or recorded: nothing to settle
+            return
+        fields = _finished_fields(adm, None, (0, 0, 0), False) | {"status_code": status_code}
+        await _settle_audited(rt, adm, (0, 0, 0), fields)
+
+
 async def finish(rt: Runtime, adm: Admission, progress: Progress) -> None:
     """Settle, record metrics and audit. Shielded: it must complete even when the client went away."""
     with anyio.CancelScope(shield=True):
@@ -136,21 +165,10 @@ async def finish(rt: Runtime, adm: Admission, progress: Progress) -> None:
             adm.place.give()
         if not await _is_committed(adm):  # nothing was reserved or recorded: nothing to settle
             return
-        num_prompt, num_completion, num_cached = progress.usage(adm)
+        num_prompt, num_completion, num_cached = usage = progress.usage(adm)
         last = progress.last
         await _maybe_retain(rt, adm, last)
-        fields = {
-            "request_id": adm.request_id,
-            "tenant_id": adm.principal.tenant_id,
-            "key_id": adm.principal.key_id,
-            "finish_reasons": [] if last is None else [o.finish_reason for o in last.outputs],
-            "num_prompt_tokens": num_prompt,
-            "num_completion_tokens": num_completion,
-            "num_cached_tokens": num_cached,
-            "is_aborted": not progress.is_done,
-            **Receipt.of(adm, last).fields(),  # the determinism receipt `kvgate replay` checks
-        }
-        await _settle_audited(rt, adm, (num_prompt, num_completion, num_cached), fields)
+        await _settle_audited(rt, adm, usage, _finished_fields(adm, last, usage, progress.is_done))
         m = None if last is None else last.metrics
         rt.metrics.observe_finished(
             adm.principal.tenant_id or "",

@@ -7,7 +7,7 @@ import math
 import pytest
 
 from gateway.errors import EngineOverloaded, QuotaExceeded
-from gateway.services.overload import DrainRate, EngineGate, retry_after_s
+from gateway.services.overload import DrainRate, EngineGate, EnginePlace, retry_after_s
 from gateway.services.ratelimit import TenantGate
 from policies import Policy
 
@@ -80,20 +80,26 @@ def test_retry_after_is_whole_seconds_within_the_clamp(num_ahead: float, rate: f
     assert retry_after_s(num_ahead, rate) == expected
 
 
+def _take(gate: EngineGate, tenant_id: str = "t") -> EnginePlace:
+    place = gate.claim(tenant_id)
+    place.take()
+    return place
+
+
 def _overloaded(gate: EngineGate) -> EngineOverloaded:
     with pytest.raises(EngineOverloaded) as info:
-        gate.take()
+        gate.claim("t")
     return info.value
 
 
 def test_the_gate_refuses_past_its_bound_with_retry_after_from_the_drain() -> None:
     clock = Clock()
     gate = EngineGate(num_running=2, max_queued=4, clock=clock, tau_s=10.0)
-    places = [gate.take() for _ in range(6)]
+    places = [_take(gate) for _ in range(6)]
     for i in range(100):  # busy 50 s, one request finishing (and another taking its place) every 0.5 s
         clock.now += 0.5
         places[i % 6].give()
-        places[i % 6] = gate.take()
+        places[i % 6] = _take(gate)
     error = _overloaded(gate)
     assert (error.status_code, error.code, error.error_type) == (503, "engine_overloaded", "server_error")
     # 4 queued ahead at ~2 finished per second: 2 s.
@@ -104,7 +110,7 @@ def test_the_gate_refuses_past_its_bound_with_retry_after_from_the_drain() -> No
 def test_places_come_back_once_each_and_refusals_do_not_count_as_drain() -> None:
     clock = Clock()
     gate = EngineGate(num_running=1, max_queued=1, clock=clock)
-    first, second = gate.take(), gate.take()
+    first, second = _take(gate), _take(gate)
     _overloaded(gate)
     clock.now += 5.0
     second.give(is_finished=False)  # refused in admission: no engine work drained
@@ -115,7 +121,7 @@ def test_places_come_back_once_each_and_refusals_do_not_count_as_drain() -> None
     first.give()
     assert gate.num_in_flight == 0
     assert gate.drain_per_second() == pytest.approx(1 / (10.0 * (1 - math.exp(-0.5))))  # one finished
-    third = gate.take()  # room again
+    third = _take(gate)  # room again
     third.give()
     assert gate.num_in_flight == 0
 
@@ -124,7 +130,7 @@ def test_a_long_silence_while_full_tells_clients_to_wait_longer() -> None:
     clock = Clock()
     gate = EngineGate(num_running=1, max_queued=8, clock=clock, tau_s=10.0)
     for _ in range(9):
-        gate.take()
+        _take(gate)
     clock.now += 1.0
     early = int(_overloaded(gate).headers["Retry-After"])
     clock.now += 300.0
@@ -135,11 +141,11 @@ def test_a_long_silence_while_full_tells_clients_to_wait_longer() -> None:
 def test_a_tenant_at_its_concurrency_limit_is_told_the_wait_for_one_of_its_requests() -> None:
     clock = Clock()
     gate = EngineGate(num_running=8, max_queued=8, clock=clock, tau_s=10.0)
-    places = [gate.take() for _ in range(8)]
+    places = [_take(gate) for _ in range(8)]
     for i in range(100):  # 1 finished per second
         clock.now += 1.0
         places[i % 8].give()
-        places[i % 8] = gate.take()
+        places[i % 8] = _take(gate)
     tenants = TenantGate()
     policy = Policy(max_concurrent_requests=2)
     holds = [tenants.take("t", policy, clock.now, gate.tenant_wait_s) for _ in range(2)]

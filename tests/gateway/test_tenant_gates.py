@@ -1,11 +1,13 @@
-"""A tenant's in-process gate counts the requests between it and their reservation, so a burst gets at
-most the tenant's limit through at once."""
+"""The in-process gates a request meets before the engine: its tenant's gate counts the requests between
+it and their reservation, so a burst gets at most the tenant's limit through at once; the engine gate's
+claims count against their own tenant only."""
 
 from __future__ import annotations
 
 import pytest
 
-from gateway.errors import QuotaExceeded
+from gateway.errors import EngineOverloaded, QuotaExceeded
+from gateway.services.overload import EngineGate, EnginePlace
 from gateway.services.ratelimit import Hold, TenantGate
 from policies import Policy
 
@@ -52,3 +54,44 @@ def test_requests_counted_by_the_database_and_still_pending_add_up() -> None:
 def test_a_burst_within_the_concurrency_limit_passes_and_no_more(limit: int) -> None:
     holds, codes = _burst(TenantGate(), Policy(max_concurrent_requests=limit), 20)
     assert len(holds) == limit and codes == {"concurrency_limit"}
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _gate(clock: Clock | None = None) -> EngineGate:
+    """16 places (8 running, 8 queued)."""
+    return EngineGate(num_running=8, max_queued=8, clock=clock or Clock())
+
+
+def _take(gate: EngineGate, tenant_id: str, num: int = 1) -> list[EnginePlace]:
+    places = [gate.claim(tenant_id) for _ in range(num)]
+    for p in places:
+        p.take()
+    return places
+
+
+def test_a_tenant_alone_may_use_every_place() -> None:
+    gate = _gate()
+    places = _take(gate, "a", 16)
+    with pytest.raises(EngineOverloaded):
+        gate.claim("a")
+    for p in places:
+        p.give()
+    assert gate.num_in_flight == 0 and gate.num_places("a") == (0, 0)
+
+
+def test_claims_the_reservation_refuses_never_keep_another_tenant_out() -> None:
+    gate = _gate()
+    claims = [gate.claim("c") for _ in range(16)]  # a burst being tokenized and reserved
+    with pytest.raises(EngineOverloaded):
+        gate.claim("c")  # its own claims count against it
+    b = _take(gate, "b", 8)  # another tenant's requests still find their places
+    for claim in claims:  # the database refuses the burst
+        claim.give(is_finished=False)
+    assert gate.num_places("c") == (0, 0) and gate.num_in_flight == len(b) == 8
