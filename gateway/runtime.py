@@ -72,7 +72,7 @@ class Runtime:
         self.quota = QuotaService(self.txn, Slots(lease_s=self.settings.inflight_lease_s))
         s = self.settings
         self.overload = EngineGate(s.max_num_seqs, s.max_num_seqs if s.max_queued_requests is None
-                                   else s.max_queued_requests)
+                                   else s.max_queued_requests, headroom=s.engine_share_headroom)
         self.metrics = GatewayMetrics(lambda: self.engine, self.overload, lambda: self.routes)
         from gateway.services.routes import SEALING_LABEL
 

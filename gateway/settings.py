@@ -67,6 +67,10 @@ class Settings(BaseSettings):
             (``None``: as many as ``max_num_seqs``). One more request than ``max_num_seqs`` plus this is
             answered at once with a 503 ``engine_overloaded`` and a ``Retry-After`` from the measured
             drain rate (docs/operations.md#overload).
+        engine_share_headroom: The fraction of those places (``max_num_seqs`` plus
+            ``max_queued_requests``) a tenant holding its share of them leaves free for the other
+            tenants: past it, its requests are a 429 ``engine_share_exceeded`` while theirs still find a
+            place (docs/operations.md#a-tenants-share-of-the-places). A tenant alone uses every place.
         max_model_len: Context limit override.
         max_body_bytes: Largest accepted request body.
         default_policy: Policy given to new tenants (JSON in ``KVGATE_DEFAULT_POLICY``).
@@ -172,6 +176,7 @@ class Settings(BaseSettings):
     step_time_target_ms: float | None = Field(default=None, ge=0, le=60_000)
     prefix_cache_guaranteed_fraction: float = Field(default=0.05, ge=0, le=1)
     max_queued_requests: int | None = Field(default=None, ge=0)
+    engine_share_headroom: float = Field(default=0.125, ge=0, lt=1)
     max_model_len: int | None = None
     max_body_bytes: int = 1_048_576
     default_policy: Policy = Field(default_factory=Policy)

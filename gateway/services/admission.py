@@ -282,7 +282,7 @@ async def admit(
         found = constraint(req, policy, principal.tenant_id or "")  # the policy's feature checks: cheap
         if target is None:  # an upstream pool has no place to give: its servers queue or answer 503
             # After the tenant's own limits (over them, the answer is its 429); taken once reserved.
-            place = rt.overload.claim(principal.tenant_id or "")
+            place = rt.overload.claim(principal.tenant_id or "", policy.share)
         prompt_ids, decision = await _decide(rt, principal, policy, req, target)
         if target is None:  # an upstream compiles its own constraints
             await check_compiles(rt.engine.tokenizer, found)

@@ -11,6 +11,12 @@ the claim becomes the place once the tenant's reservation has decided (``EngineP
 counts against its own tenant only: a burst that the tenant's limits will refuse (another replica's
 requests fill its rate, say) never took a place another tenant's request needed.
 
+Each tenant has a share of the places, ``limit * weight / total weight`` over the tenants that hold,
+claim or were just refused one. A tenant holding at least its share is refused (a 429
+``engine_share_exceeded``: its own over-use) unless more places are free than the headroom plus what
+the other tenants' requests in admission need to reach their shares; a tenant under its share is
+refused only when no place is free. A tenant alone may use every place.
+
 Its ``Retry-After`` comes from the measured drain rate: the requests ahead of a newcomer
 (``queued / drain_rate``), clamped to [1, 60] s. The rate counts places given back per second of busy
 time (some place held), weighted exponentially, so an idle hour neither dilutes nor ages the estimate.
@@ -24,10 +30,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from gateway.errors import EngineOverloaded
+from gateway.services.ratelimit import exceeded
 
 RETRY_AFTER_MIN_S = 1
 RETRY_AFTER_MAX_S = 60
 DRAIN_TIME_CONSTANT_S = 10.0  # about the last 10 s of busy time weigh in the rate
+# A tenant refused for want of a place competes for one until the Retry-After it was told, and this long
+# after (its retry is on its way).
+WAIT_GRACE_S = 2.0
 
 
 def retry_after_s(num_ahead: float, rate: float | None) -> int:
@@ -91,11 +101,13 @@ class DrainRate:
 class _Tenant:
     """One tenant's part of the gate."""
 
+    weight: float = 1.0
     num_held: int = 0  # places: requests whose reservation decided, until their settlement starts
     num_claimed: int = 0  # claims: requests past the tenant's own limits, before their reservation
+    waits_until: float = -math.inf  # refused for want of a place (503): competing for one until then
 
-    def is_idle(self) -> bool:
-        return self.num_held == 0 and self.num_claimed == 0
+    def is_idle(self, now: float) -> bool:
+        return self.num_held == 0 and self.num_claimed == 0 and self.waits_until <= now
 
 
 class EnginePlace:
@@ -113,6 +125,8 @@ class EnginePlace:
 
         Raises:
             EngineOverloaded: No place is free (503 ``engine_overloaded``).
+            QuotaExceeded: The tenant holds its share while other tenants need the places left (429
+                ``engine_share_exceeded``).
         """
         if not self.is_claimed:
             raise RuntimeError("a place is taken once, from its claim")
@@ -135,31 +149,36 @@ class EngineGate:
         max_queued: Requests that may wait beyond the batch.
         clock: Monotonic seconds (tests pass their own).
         tau_s: The drain rate's time constant.
+        headroom: The fraction of the places a tenant at its share leaves free for the others.
     """
 
     def __init__(self, num_running: int, max_queued: int, clock: Callable[[], float] = time.monotonic,
-                 tau_s: float = DRAIN_TIME_CONSTANT_S) -> None:
-        if num_running < 1 or max_queued < 0:
-            raise ValueError("num_running must be positive and max_queued not negative")
+                 tau_s: float = DRAIN_TIME_CONSTANT_S, headroom: float = 0.0) -> None:
+        if num_running < 1 or max_queued < 0 or not 0 <= headroom < 1:
+            raise ValueError("num_running must be positive, max_queued not negative, headroom in [0, 1)")
         self.num_running, self.limit = num_running, num_running + max_queued
+        self.num_headroom = math.ceil(self.limit * headroom)
         self.num_in_flight = 0
         self.drain = DrainRate(tau_s)
         self._clock = clock
-        self._tenants: dict[str, _Tenant] = {}  # tenants holding or claiming places
+        # Tenants holding or claiming places, or waiting for one (remembered while fewer than the places).
+        self._tenants: dict[str, _Tenant] = {}
 
-    def claim(self, tenant_id: str) -> EnginePlace:
-        """A claim on a place for one more request of ``tenant_id``, which ``EnginePlace.take`` turns into
-        the place once its reservation has decided.
+    def claim(self, tenant_id: str, weight: float = 1.0) -> EnginePlace:
+        """A claim on a place for one more request of ``tenant_id`` (``weight``: its policy's share), which
+        ``EnginePlace.take`` turns into the place once its reservation has decided.
 
         Raises:
             EngineOverloaded: No place is free for it (503 ``engine_overloaded`` with ``Retry-After``).
+            QuotaExceeded: The tenant holds or claims its share while other tenants need the places left
+                (429 ``engine_share_exceeded`` with ``Retry-After``).
         """
-        t = self._tenants.setdefault(tenant_id, _Tenant())
-        if self.num_in_flight + t.num_claimed >= self.limit:
-            if t.is_idle():
-                del self._tenants[tenant_id]
-            raise self._overloaded()
+        t = self._tenants.get(tenant_id) or _Tenant()
+        t.weight = weight
+        self._check(tenant_id, t, t.num_held + t.num_claimed, self.limit - self.num_in_flight - t.num_claimed)
         t.num_claimed += 1
+        t.waits_until = -math.inf
+        self._tenants[tenant_id] = t
         return EnginePlace(self, tenant_id)
 
     def retry_after_s(self) -> int:
@@ -168,8 +187,8 @@ class EngineGate:
         return retry_after_s(num_queued, self.drain.per_second(self._clock()))
 
     def tenant_wait_s(self, num_held: int) -> int:
-        """The wait a tenant at its concurrency limit is told: until one of its ``num_held`` requests is
-        likely done, if every request in flight drains at the same pace."""
+        """The wait a tenant at its concurrency limit (or its share) is told: until one of its
+        ``num_held`` requests is likely done, if every request in flight drains at the same pace."""
         share = max(1, self.num_in_flight) / max(1, num_held)
         return retry_after_s(share, self.drain.per_second(self._clock()))
 
@@ -182,17 +201,49 @@ class EngineGate:
         t = self._tenants.get(tenant_id)
         return (0, 0) if t is None else (t.num_held, t.num_claimed)
 
-    def _overloaded(self) -> EngineOverloaded:
-        return EngineOverloaded(
+    def _check(self, tenant_id: str, t: _Tenant, num_used: int, num_free: int) -> None:
+        """Raise unless a request of ``tenant_id``, which holds ``num_used`` places (and claims), may have
+        one of the ``num_free`` places free for it."""
+        now = self._clock()
+        others = self._others(tenant_id, now)
+        total_weight = t.weight + sum(o.weight for o in others)
+        if others and num_used >= self.limit * t.weight / total_weight:
+            if num_free > self.num_headroom + self._num_owed(others, total_weight, now):
+                return
+            raise exceeded(
+                "This tenant holds its share of the server's engine places while other tenants wait for "
+                "one; retry after the time in Retry-After.",
+                self.tenant_wait_s(t.num_held), "engine_share_exceeded")
+        if num_free > 0:
+            return
+        retry_after = self.retry_after_s()
+        if tenant_id in self._tenants or len(self._tenants) < self.limit:
+            t.waits_until = now + retry_after + WAIT_GRACE_S
+            self._tenants[tenant_id] = t
+        raise EngineOverloaded(
             "The server is overloaded: too many requests are waiting for the engine; retry after the "
             "time in Retry-After.",
-            headers={"Retry-After": str(self.retry_after_s())},
+            headers={"Retry-After": str(retry_after)},
         )
 
+    def _others(self, tenant_id: str, now: float) -> list[_Tenant]:
+        """The other tenants competing for places (those that no longer are are forgotten)."""
+        for idle in [k for k, o in self._tenants.items() if o.is_idle(now)]:
+            del self._tenants[idle]
+        return [o for k, o in self._tenants.items() if k != tenant_id]
+
+    def _num_owed(self, others: list[_Tenant], total_weight: float, now: float) -> int:
+        """The places the other tenants' requests in admission (or a retry of a refused one) need to
+        reach their shares."""
+        num = 0
+        for o in others:
+            wanted = o.num_claimed or (1 if o.waits_until > now else 0)
+            num += max(0, min(wanted, math.ceil(self.limit * o.weight / total_weight) - o.num_held))
+        return num
+
     def _take(self, tenant_id: str) -> None:
-        if self.num_in_flight >= self.limit:
-            raise self._overloaded()
         t = self._tenants[tenant_id]
+        self._check(tenant_id, t, t.num_held, self.limit - self.num_in_flight)
         t.num_claimed -= 1
         t.num_held += 1
         if self.num_in_flight == 0:
@@ -211,5 +262,5 @@ class EngineGate:
             self.num_in_flight -= 1
             if self.num_in_flight == 0:
                 self.drain.set_busy(now, False)
-        if t.is_idle():
+        if t.is_idle(now):
             del self._tenants[tenant_id]

@@ -48,18 +48,19 @@ class Served:
         return httpx.Client(base_url=self.base, verify=str(self.ca), timeout=60,
                             headers={"Authorization": f"Bearer {self.admin_token}"})
 
-    def make_tenant(self, name: str) -> tuple[str, str]:
-        """A new tenant named ``name``: its id and a key of it."""
+    def make_tenant(self, name: str, policy: dict | None = None) -> tuple[str, str]:
+        """A new tenant named ``name`` (with ``policy``, else the default one): its id and a key of it."""
         with self.admin() as admin:
-            r = admin.post("/admin/v1/tenants", json={"name": name})
+            body = {"name": name} if policy is None else {"name": name, "policy": policy}
+            r = admin.post("/admin/v1/tenants", json=body)
             assert r.status_code == 201, r.text
             tenant = r.json()
             key = admin.post(f"/admin/v1/tenants/{tenant['id']}/keys", json={"name": "k"}).json()["key"]
         return tenant["id"], key
 
-    def make_key(self, name: str) -> str:
-        """A key of a new tenant named ``name``."""
-        return self.make_tenant(name)[1]
+    def make_key(self, name: str, policy: dict | None = None) -> str:
+        """A key of a new tenant named ``name`` (with ``policy``)."""
+        return self.make_tenant(name, policy)[1]
 
     def log(self, since: int = 0) -> str:
         """The server's output, from byte ``since`` on (a ``log_size()`` taken earlier: what a test on a

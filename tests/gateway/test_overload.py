@@ -1,6 +1,6 @@
 """Overload on a real ``kvgate serve``: past its places in the engine a request is refused at once (503, or
-the tenant's own 429 first), with a whole-second ``Retry-After``; within them it is served; and once the
-burst is over every place comes back."""
+the tenant's own 429 first: over its own limits, or holding its share of the places), with a whole-second
+``Retry-After``; within them it is served; and once the burst is over every place comes back."""
 
 from __future__ import annotations
 
@@ -60,16 +60,6 @@ def _wait_for(server: Served, admitted: int, *, is_idle: bool = False) -> str:
             return text
         assert time.monotonic() < deadline, text
         time.sleep(0.2)
-
-
-def _make_key(server: Served, name: str, policy: dict) -> str:
-    """A key of a new tenant with ``policy``."""
-    with server.admin() as admin:
-        r = admin.post("/admin/v1/tenants", json={"name": name, "policy": policy})
-        assert r.status_code == 201, r.text
-        r = admin.post(f"/admin/v1/tenants/{r.json()['id']}/keys", json={"name": "k"})
-        assert r.status_code == 201, r.text
-        return r.json()["key"]
 
 
 def _client(server: Served, key: str, **kw) -> httpx.AsyncClient:  # type: ignore[no-untyped-def]
@@ -138,27 +128,30 @@ async def _hold(server: Served, key: str, model: str) -> tuple[httpx.AsyncClient
 
 
 async def _burst_past_the_bound(server: Served, model: str) -> tuple[int, int]:
-    """Every place held, one by a tenant at its concurrency limit: a burst of both tenants' requests,
-    streamed and not. Returns the 503s and 429s seen."""
-    limited = _make_key(server, "limited", {"max_concurrent_requests": 1})
-    free = server.make_key("free")
+    """Every place held, one by a tenant at its concurrency limit and one by a tenant without limits: a
+    burst of their requests and a third tenant's, streamed and not. Returns the 503s and 429s seen."""
+    limited = server.make_key("limited", {"max_concurrent_requests": 1})
+    free, other = server.make_key("free"), server.make_key("other")
     holds = [await _hold(server, limited, model), await _hold(server, free, model)]
     try:
         await asyncio.to_thread(_wait_for, server, NUM_PLACES)
-        async with _client(server, free) as f, _client(server, limited) as lim:
+        async with _client(server, free) as f, _client(server, limited) as lim, _client(server, other) as o:
             bodies = [_chat(model, 8, stream=bool(i % 2)) for i in range(8)]
-            overloaded = await asyncio.gather(*(_post(f, b) for b in bodies))
+            overloaded = await asyncio.gather(*(_post(o, b) for b in bodies))
+            over_share = await asyncio.gather(*(_post(f, b) for b in bodies[:4]))
             over_own_limit = await asyncio.gather(*(_post(lim, b) for b in bodies[:4]))
     finally:
         for client, task in holds:  # the held streams' clients leave: their requests are aborted
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
             await client.aclose()
-    for r in overloaded:
+    for r in overloaded:  # a tenant holding no place: the server is full
         _assert_refusal(r, 503, "engine_overloaded")
+    for r in over_share:  # holding its share (one of the two places) while others want one: its own use
+        _assert_refusal(r, 429, "engine_share_exceeded")
     for r in over_own_limit:  # the tenant's own limit answers before the engine's
         _assert_refusal(r, 429, "concurrency_limit")
-    return len(overloaded), len(over_own_limit)
+    return len(overloaded), len(over_share) + len(over_own_limit)
 
 
 def test_past_the_bound_requests_are_refused_at_once_and_every_place_comes_back(server: Served,
@@ -191,6 +184,8 @@ def test_a_crowd_of_concurrent_clients_gets_answers_or_refusals_and_nothing_else
     for r, stream in results:
         if r.status_code == 503:
             _assert_refusal(r, 503, "engine_overloaded")
+        elif r.status_code == 429:  # its tenant held its share of the places while another wanted one
+            _assert_refusal(r, 429, "engine_share_exceeded")
         else:
             _assert_served(r, stream)
             num_ok += 1
