@@ -77,7 +77,8 @@ class Scheduler:
         # seq_id -> leader whose prompt prefill the sequence waits for (n > 1 shares prompt blocks)
         self.leaders: dict[int, Sequence] = {}
         self.time_share = None if self.policy != "fair" or config.step_time_target_ms == 0 else TimeShare(
-            config.step_time_target_ms, NOMINAL_CUDA if config.device.startswith("cuda") else NOMINAL_CPU)
+            config.step_time_target_ms, NOMINAL_CUDA if config.device.startswith("cuda") else NOMINAL_CPU,
+            config.max_num_batched_tokens)
         self._served: dict[int, int] = {}  # seq_id -> step it last computed a token in (decode rotation)
         self._num_fixed = 0  # fixed-mode sequences held: the time share's cost model stays nominal
         self.last_step_shape = (0, 0)  # the last step's decode rows and prefill tokens (its cost model)
@@ -202,9 +203,10 @@ class Scheduler:
         share = self.time_share
         if share is None or not share.is_active:
             return n
-        if not share.can_spend(seq.tenant.key):
-            return 0
-        return n if is_decode_row(seq, n) else share.prefill_tokens(seq.tenant.key, n)
+        if is_decode_row(seq, n):
+            return n if share.can_spend(seq.tenant.key) else 0
+        is_decoding = any(s.num_computed_tokens >= s.prompt_len for s in seq.tenant.running if s is not seq)
+        return share.prefill_tokens(seq.tenant.key, n, is_decoding)  # all of it or none: chunks stay large
 
     def _place(self, seq: Sequence, n: int, out: SchedulerOutput) -> None:
         out.scheduled.append((seq, n))
@@ -282,14 +284,14 @@ class Scheduler:
     def _admit_one(self, seq: Sequence, out: SchedulerOutput) -> bool:
         if seq.is_mask_pending:  # preempted while its grammar's mask computed: back once it is done
             return False
-        if self._share_of(seq, 1) == 0:  # its tenant spent its share of the step's time
+        if self._share_of(seq, 1) == 0:  # its tenant cannot pay for a chunk of this step's time
             return False
         if len(self.running) >= self.max_num_seqs and not self._take_slot_for(seq.tenant, out):
             return False
         computed, num_cached = self.kv.get_computed_blocks(seq)
         n = min(seq.num_tokens - num_cached, self._budget)
         n = self._share_of(seq, n)
-        if self._over_cap(seq, n + num_cached):
+        if n == 0 or self._over_cap(seq, n + num_cached):
             return False
         while not self.kv.allocate_slots(seq, n, computed):
             if not self._take_slot_for(seq.tenant, out):

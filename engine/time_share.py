@@ -3,90 +3,89 @@
 Sharing the batch slots by weight (``engine.fair``) is not enough on a CPU, where every row costs step
 time: a tenant with 48 streams and one with 8 both fit in 64 slots, and the 8 then move at the pace of a
 56-row step (plus the flooder's prefill chunks). So, while more than one tenant has work, the step's work
-is sized so that the step takes about ``target`` milliseconds (``StepCost``: a linear model of the step's
-time in its decode rows and prefill tokens, fitted to the steps measured), and each tenant puts in at
-most its weighted share of it (``TimeShare``): water-filled, so that what one tenant does not need goes
-to the others, and carried as a deficit from step to step, so that a tenant whose share is less than one
-row still gets a row now and then. Alone, a tenant has the whole step (work conserving).
+is sized so that a decode step takes about ``target`` milliseconds (``StepCost``: the device's step
+shape scaled by the speed measured on recent steps), and each tenant puts in at most its weighted share
+of it (``TimeShare``): water-filled, so that what one tenant does not need goes to the others, and
+carried as a deficit from step to step, so that a tenant whose share is less than one row still gets a
+row now and then, and a prefill chunk, paid whole from the deficit, stays large. Alone, a tenant has the
+whole step (work conserving).
 
 ``fixed`` sequences' schedule must be a function of arrivals and steps, never of the clock: while the
-scheduler holds one, the model's nominal coefficients stand in for the measured ones.
+scheduler holds one, the nominal step shape stands in for the measured speed.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 from engine.request import Sequence
 
-# Nominal step cost in ms, (fixed, per decode row, per prefill token): the default model's bfloat16
-# steps on a 2-core AVX512 CPU (2026-11-28). The prior the measurements start from, and the whole model
-# while a ``fixed`` sequence is scheduled; on CUDA a row costs next to nothing and nothing is cut.
-NOMINAL_CPU = (25.0, 0.7, 0.4)
-NOMINAL_CUDA = (5.0, 0.0, 0.0)
+
+@dataclass(frozen=True, slots=True)
+class StepShape:
+    """A device's step time in ms, up to a speed factor. Decode-only steps run the fused decoder:
+    ``min(small_fixed + small_per_row * rows, fixed + per_row * rows)`` (a few rows read the 4-bit
+    weights row by row, more share one matmul); a step with prefill runs the whole model and pays
+    ``prefill_fixed`` more, plus ``per_prefill`` per token."""
+
+    fixed: float
+    per_row: float
+    per_prefill: float
+    prefill_fixed: float
+    small_fixed: float
+    small_per_row: float
+
+    def ms(self, rows: int, prefill: int) -> float:
+        if prefill:
+            return self.fixed + self.prefill_fixed + self.per_row * rows + self.per_prefill * prefill
+        return min(self.small_fixed + self.small_per_row * rows, self.fixed + self.per_row * rows)
+
+
+# The default model's bfloat16 steps on a 2-core AVX512 CPU (2026-11-28); on CUDA a row costs next to
+# nothing, so nothing is cut.
+NOMINAL_CPU = StepShape(26.0, 0.72, 0.32, 19.0, 5.0, 3.2)
+NOMINAL_CUDA = StepShape(5.0, 0.0, 0.0, 0.0, 5.0, 0.0)
 AUTO_TARGET_OVER_FIXED = 2.5  # without a set target: steps of 2.5x the fixed cost (40 % overhead)
-_FORGET = 0.98                 # weight of the past per step in the fit (a memory of ~50 steps)
-_PRIOR_STEPS = 1.0             # the nominal model counts as this many steps of evidence
-_OUTLIER = 5.0                 # a step this many times slower than predicted is a stall, not a cost
-
-
-def _solve3(m: list[list[float]], v: list[float]) -> list[float] | None:
-    """``m x = v`` for a 3x3 system by Gaussian elimination with partial pivoting; None if singular."""
-    a = [row[:] + [b] for row, b in zip(m, v, strict=True)]
-    for col in range(3):
-        pivot = max(range(col, 3), key=lambda r: abs(a[r][col]))
-        if abs(a[pivot][col]) < 1e-12:
-            return None
-        a[col], a[pivot] = a[pivot], a[col]
-        for r in range(col + 1, 3):
-            f = a[r][col] / a[col][col]
-            a[r] = [x - f * y for x, y in zip(a[r], a[col], strict=True)]
-    x = [0.0, 0.0, 0.0]
-    for r in (2, 1, 0):
-        x[r] = (a[r][3] - sum(a[r][c] * x[c] for c in range(r + 1, 3))) / a[r][r]
-    return x
+_FORGET = 0.95                 # weight of the past per step in the speed estimate (~20 steps)
+_CLIP = 8.0                    # a step's speed counts as at most this far from nominal (a stall is no cost)
+_WARMUP_STEPS = 8              # the first steps compile and fault pages in: not the machine's speed
 
 
 class StepCost:
-    """Milliseconds a step takes, ``fixed + per_row * rows + per_prefill * prefill_tokens``: a ridge fit
-    to recent steps (exponentially forgotten) around the nominal coefficients."""
+    """The step's cost model: the device's ``StepShape`` scaled by this machine's measured speed (the
+    exponentially forgotten mean of measured over nominal, in log space, each step's ratio clipped, the
+    first steps left out). One
+    factor, not a free fit: steps of one shape cannot tell a fixed cost from a per-row one, and a noisy
+    neighbour on the CPU must not turn the model over."""
 
-    def __init__(self, nominal: tuple[float, float, float]) -> None:
+    def __init__(self, nominal: StepShape) -> None:
         self.nominal = nominal
-        self._xx = [[0.0] * 3 for _ in range(3)]  # sum of x x^T over steps, x = (1, rows, prefill)
-        self._xy = [0.0] * 3
-        self.coef = nominal
+        self._log_speed = 0.0
+        self._weight = 0.0
+        self.speed = 1.0  # measured / nominal step time
         self.num_observed = 0
 
-    def predict(self, rows: int, prefill: int, coef: tuple[float, float, float] | None = None) -> float:
-        fixed, per_row, per_prefill = coef or self.coef
-        return fixed + per_row * rows + per_prefill * prefill
+    def predict(self, rows: int, prefill: int) -> float:
+        return self.speed * self.nominal.ms(rows, prefill)
 
     def observe(self, rows: int, prefill: int, ms: float) -> None:
-        if ms > _OUTLIER * self.predict(rows, prefill) or rows + prefill == 0:
+        nominal = self.nominal.ms(rows, prefill)
+        if nominal <= 0 or ms <= 0 or rows + prefill == 0:
             return
-        x = (1.0, float(rows), float(prefill))
-        for i in range(3):
-            self._xy[i] = self._xy[i] * _FORGET + x[i] * ms
-            for j in range(3):
-                self._xx[i][j] = self._xx[i][j] * _FORGET + x[i] * x[j]
         self.num_observed += 1
-        self.coef = self._fit()
+        if self.num_observed <= _WARMUP_STEPS:
+            return
+        speed = min(max(ms / nominal, 1 / _CLIP), _CLIP)
+        self._log_speed = self._log_speed * _FORGET + math.log(speed)
+        self._weight = self._weight * _FORGET + 1.0
+        self.speed = math.exp(self._log_speed / self._weight)
 
-    def _fit(self) -> tuple[float, float, float]:
-        # ridge toward the nominal model, scaled per feature so that each counts as _PRIOR_STEPS steps
-        scale = [1.0] + [max(self._xx[i][i] / max(self._xx[0][0], 1e-9), 1.0) for i in (1, 2)]
-        m = [row[:] for row in self._xx]
-        v = self._xy[:]
-        for i in range(3):
-            m[i][i] += _PRIOR_STEPS * scale[i]
-            v[i] += _PRIOR_STEPS * scale[i] * self.nominal[i]
-        x = _solve3(m, v)
-        if x is None:
-            return self.coef
-        fixed, per_row, per_prefill = x
-        return (max(fixed, 0.0), max(per_row, 1e-3), max(per_prefill, 1e-3))
+    def coef(self, is_fixed: bool) -> tuple[float, float, float, float]:
+        """(fixed, per_row, per_prefill, prefill_fixed) in ms; nominal when ``is_fixed``."""
+        k, n = (1.0 if is_fixed else self.speed), self.nominal
+        return (k * n.fixed, k * n.per_row, k * n.per_prefill, k * n.prefill_fixed)
 
 
 @dataclass(slots=True)
@@ -100,23 +99,31 @@ class Demand:
 class TimeShare:
     """Per step, each busy tenant's allowance of step time (ms), from its weight and its demand.
 
+    A tenant's allowance is added to its deficit (what it may spend); decode rows spend it row by row,
+    and a prefill chunk waits until the deficit covers it whole, so that chunks stay large (a step with
+    prefill pays the whole model's fixed cost: many small chunks would pay it many times). The deficit
+    is capped at one full chunk's cost, so a tenant banks no more than that.
+
     Args:
         target_ms: Step time to aim at; ``None`` takes ``AUTO_TARGET_OVER_FIXED`` times the fixed cost.
-        nominal: The cost model's nominal coefficients (``NOMINAL_CPU``/``NOMINAL_CUDA``).
+        nominal: The device's step shape (``NOMINAL_CPU``/``NOMINAL_CUDA``).
+        max_chunk: The most prefill tokens a step takes (the engine's token budget).
     """
 
-    def __init__(self, target_ms: float | None, nominal: tuple[float, float, float]) -> None:
+    def __init__(self, target_ms: float | None, nominal: StepShape, max_chunk: int) -> None:
         self.target_ms = target_ms
         self.cost = StepCost(nominal)
-        self.deficit: dict[bytes, float] = {}  # ms a tenant may still spend this step (negative: owed)
+        self.max_chunk = max_chunk
+        self.deficit: dict[bytes, float] = {}  # ms a tenant may still spend (negative: owed)
         self.is_active = False
-        self.coef = nominal
-        self.step_ms: dict[bytes, float] = {}  # last step's cost per tenant, for the step shares
+        self.coef = self.cost.coef(True)
+        self._has_prefill = False              # a prefill chunk is in this step (its fixed cost is paid)
+        self.step_ms: dict[bytes, float] = {}  # this step's cost per tenant, for the step shares
         self.share: dict[bytes, float] = {}    # each tenant's recent share of the step time
 
     def budget_ms(self, is_fixed: bool) -> float:
-        """The variable part of a step's time (the fixed part is paid once, whoever runs)."""
-        self.coef = self.cost.nominal if is_fixed else self.cost.coef
+        """The variable part of a decode step's time (the fixed part is paid once, whoever runs)."""
+        self.coef = self.cost.coef(is_fixed)
         fixed = self.coef[0]
         target = self.target_ms if self.target_ms else AUTO_TARGET_OVER_FIXED * fixed
         return max(target - fixed, 0.0)
@@ -124,6 +131,7 @@ class TimeShare:
     def begin(self, demands: dict[bytes, Demand], weights: dict[bytes, float], is_fixed: bool) -> None:
         """Allowances for a step among the tenants with work; active only with two or more."""
         self.step_ms = dict.fromkeys(demands, 0.0)
+        self._has_prefill = False
         busy = [k for k, d in demands.items() if d.rows or d.prefill]
         self.is_active = len(busy) > 1
         if not self.is_active:
@@ -132,26 +140,42 @@ class TimeShare:
         budget = self.budget_ms(is_fixed)
         wants = {k: self.cost_of(demands[k].rows, demands[k].prefill) for k in busy}
         allowance = water_fill(budget, wants, {k: weights[k] for k in busy})
-        # what a tenant owes from an overdrawn row or chunk carries over; what it left unspent does not
-        self.deficit = {k: min(self.deficit.get(k, 0.0), 0.0) + allowance[k] for k in busy}
+        cap = max(budget, self._cap())
+        self.deficit = {k: min(self.deficit.get(k, 0.0) + allowance[k], cap) for k in busy}
 
     def cost_of(self, rows: int, prefill: int) -> float:
-        _, per_row, per_prefill = self.coef
-        return per_row * rows + per_prefill * prefill
+        _, per_row, per_prefill, prefill_fixed = self.coef
+        return per_row * rows + per_prefill * prefill + (prefill_fixed if prefill else 0.0)
 
     def can_spend(self, key: bytes) -> bool:
         return not self.is_active or self.deficit.get(key, 0.0) > 0.0
 
-    def prefill_tokens(self, key: bytes, want: int) -> int:
-        """How many of ``want`` prefill tokens the tenant may compute now (at least one if it can spend:
-        the last token's overdraft is owed)."""
+    def prefill_tokens(self, key: bytes, want: int, is_decoding: bool) -> int:
+        """``want`` if the tenant's deficit covers the chunk (or the time share is off), else 0: it waits
+        for its deficit to grow rather than compute a small chunk now. A tenant with no row decoding
+        (``is_decoding`` false) does not wait for its first token: it overdraws, and repays before its
+        next row runs (its deficit never below minus one full chunk)."""
         if not self.is_active:
             return want
-        per_prefill = self.coef[2]
-        return max(1, min(want, int(self.deficit.get(key, 0.0) / per_prefill) + 1))
+        deficit, cost = self.deficit.get(key, 0.0), self._chunk_ms(want)
+        if deficit >= cost or (not is_decoding and deficit - cost >= -self._cap()):
+            return want
+        return 0
+
+    def _cap(self) -> float:
+        return self.cost_of(0, self.max_chunk)
+
+    def _chunk_ms(self, n: int) -> float:
+        return self.cost_of(0, n) - (self.coef[3] if self._has_prefill else 0.0)
 
     def spend(self, key: bytes, rows: int, prefill: int) -> None:
-        ms = self.cost_of(rows, prefill)
+        """Charge a row (``rows``) or a chunk (``prefill`` tokens); negative: given back."""
+        ms = self.coef[1] * rows
+        if prefill > 0:
+            ms += self._chunk_ms(prefill)
+            self._has_prefill = True
+        elif prefill < 0:
+            ms -= self.coef[2] * -prefill
         self.step_ms[key] = self.step_ms.get(key, 0.0) + ms
         if self.is_active:
             self.deficit[key] = self.deficit.get(key, 0.0) - ms

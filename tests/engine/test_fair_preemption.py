@@ -20,8 +20,10 @@ def _flood(sim: SimEngine, outstanding: int = 8, max_tokens: int = 40) -> None:
 
 def _b_running_one(wait: int) -> tuple[SimEngine, int]:
     """Tenant a floods a 4-slot batch; b gets one sequence running (taking a slot at once: it ran
-    nothing), then asks for a second. Returns the engine and the preemptions before the second."""
-    sim = SimEngine(num_blocks=256, max_num_seqs=4, wait=wait)
+    nothing), then asks for a second. Returns the engine and the preemptions before the second.
+    The step's time share is off: these are the batch slots' rules (with it, a second prompt of a
+    tenant that decodes also waits for its share of the step time: tests/engine/test_time_share.py)."""
+    sim = SimEngine(num_blocks=256, max_num_seqs=4, wait=wait, step_time_target_ms=0)
     for _ in range(12):
         _flood(sim)
         sim.step()

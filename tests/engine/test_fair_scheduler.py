@@ -22,7 +22,9 @@ def _keep_busy(sim: SimEngine, key: bytes, outstanding: int, *, weight: float = 
 
 def _shares(weights: dict[bytes, float], outstanding: dict[bytes, int], steps: int = 400,
             **kw) -> dict[bytes, float]:
-    sim = SimEngine(num_blocks=256, max_num_seqs=8, **kw)
+    """Each tenant's share of the tokens under the batch slots' rules alone (the step's time share,
+    which shares time rather than tokens, is tested in tests/engine/test_time_share.py)."""
+    sim = SimEngine(num_blocks=256, max_num_seqs=8, step_time_target_ms=0, **kw)
     for _ in range(steps):
         for key, w in weights.items():
             _keep_busy(sim, key, outstanding[key], weight=w, prompt_len=12, max_tokens=24)

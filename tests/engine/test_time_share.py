@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.time_share import StepCost, water_fill
+from engine.time_share import NOMINAL_CPU, StepCost, water_fill
 from tests.engine.sched_sim import SimEngine
 
 TARGET_MS = 60.0
@@ -18,7 +18,7 @@ TARGET_MS = 60.0
 
 def cpu_cost(rows: int, prefill: int) -> float:
     """A 2-core CPU's step: a fixed cost, then every row and prefill token costs time."""
-    return 25.0 + 0.7 * rows + 0.4 * prefill
+    return NOMINAL_CPU.ms(rows, prefill)
 
 
 def _keep_busy(sim: SimEngine, key: bytes, outstanding: int, **kw) -> None:
@@ -45,7 +45,7 @@ def _busy_48_8(target: float | None, steps: int = 300, cost=cpu_cost) -> tuple[S
         for sid, n in sim.log[-1]:
             seq = sim.seqs[sid]
             is_row = n == 1 and seq.num_computed_tokens - 1 >= seq.prompt_len
-            served[seq.cache_namespace] += 0.7 if is_row else 0.4 * n
+            served[seq.cache_namespace] += 0.72 if is_row else 0.32 * n
             rows[seq.cache_namespace] += is_row
         b_rows.append(rows[b"b"])
     return sim, served, b_rows
@@ -91,8 +91,8 @@ def test_no_tenant_starves_at_any_weight(w_a, w_b):
         _keep_busy(sim, b"a", 40, weight=w_a, prompt_len=32, max_tokens=32)
         sim.step()
     meek = sim.add(b"b", weight=w_b, prompt_len=16, max_tokens=4)
-    allowance = (2.5 * 25.0 - 25.0) * w_b / (w_a + w_b)  # ms of each step b is owed
-    bound = 40 + 2 * (0.4 * 16 + 0.7 * 4) / allowance
+    allowance = 1.5 * NOMINAL_CPU.fixed * w_b / (w_a + w_b)  # ms of each step b is owed
+    bound = 40 + 2 * NOMINAL_CPU.ms(4, 16) / allowance
     a_before = sim.served[b"a"]
     while meek not in sim.finished:
         _keep_busy(sim, b"a", 40, weight=w_a, prompt_len=32, max_tokens=32)
@@ -127,17 +127,23 @@ def test_each_tenants_step_share_is_reported():
     assert shares[b"b"] > 0.35
 
 
-def test_the_cost_model_learns_the_step_time():
-    cost = StepCost((25.0, 0.7, 0.4))
+def test_the_cost_model_learns_the_machines_speed():
+    cost = StepCost(NOMINAL_CPU)
     rng = random.Random(0)
-    for _ in range(300):  # a slower machine than the nominal one
+    for _ in range(100):  # a machine 1.5x slower than the nominal one, with noise
         rows, prefill = rng.randint(1, 64), rng.choice([0, 0, 64, 256])
-        cost.observe(rows, prefill, 40.0 + 1.5 * rows + 0.9 * prefill)
-    assert cost.predict(32, 0) == pytest.approx(40.0 + 1.5 * 32, rel=0.05)
-    assert cost.predict(8, 256) == pytest.approx(40.0 + 12.0 + 0.9 * 256, rel=0.05)
-    before = cost.predict(8, 0)
-    cost.observe(8, 0, 10_000.0)  # a stall (swapped out, a page fault storm): not a cost
-    assert cost.predict(8, 0) == before
+        cost.observe(rows, prefill, 1.5 * NOMINAL_CPU.ms(rows, prefill) * rng.uniform(0.9, 1.1))
+    assert cost.speed == pytest.approx(1.5, rel=0.05)
+    assert cost.coef(False)[1] == pytest.approx(1.5 * NOMINAL_CPU.per_row, rel=0.05)
+    assert cost.coef(True) == (NOMINAL_CPU.fixed, NOMINAL_CPU.per_row, NOMINAL_CPU.per_prefill,
+                               NOMINAL_CPU.prefill_fixed)  # what fixed-mode schedules use
+    before = cost.speed
+    cost.observe(8, 0, 10_000.0)  # a stall (swapped out, a noisy neighbour): one step moves it little
+    assert cost.speed < before * 1.15
+    warm = StepCost(NOMINAL_CPU)
+    for _ in range(8):  # the first steps compile kernels and fault pages in: no measure of the machine
+        warm.observe(1, 0, 5_000.0)
+    assert warm.speed == 1.0
 
 
 def test_water_fill_gives_what_one_does_not_want_to_the_others():
