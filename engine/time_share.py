@@ -5,10 +5,9 @@ time: a tenant with 48 streams and one with 8 both fit in 64 slots, and the 8 th
 56-row step (plus the flooder's prefill chunks). So, while more than one tenant has work, the step's work
 is sized so that a decode step takes about ``target`` milliseconds (``StepCost``: the device's step
 shape scaled by the speed measured on recent steps), and each tenant puts in at most its weighted share
-of it (``TimeShare``): water-filled, so that what one tenant does not need goes to the others, and
-carried as a deficit from step to step, so that a tenant whose share is less than one row still gets a
-row now and then, and a prefill chunk, paid whole from the deficit, stays large. Alone, a tenant has the
-whole step (work conserving).
+of it (``TimeShare``): water-filled, so that what one tenant does not need goes to the others; what a
+tenant leaves is banked for its prefill chunks, paid whole so that they stay large. Alone, a tenant has
+the whole step (work conserving).
 
 ``fixed`` sequences' schedule must be a function of arrivals and steps, never of the clock: while the
 scheduler holds one, the nominal step shape stands in for the measured speed.
@@ -99,10 +98,14 @@ class Demand:
 class TimeShare:
     """Per step, each busy tenant's allowance of step time (ms), from its weight and its demand.
 
-    A tenant's allowance is added to its deficit (what it may spend); decode rows spend it row by row,
-    and a prefill chunk waits until the deficit covers it whole, so that chunks stay large (a step with
-    prefill pays the whole model's fixed cost: many small chunks would pay it many times). The deficit
-    is capped at one full chunk's cost, so a tenant banks no more than that.
+    Decode rows spend the step's allowance, row by row, so a tenant's rows in one step stay within its
+    share of the step; what it leaves goes to its bank. A prefill chunk is paid whole from the bank (and
+    what is left of this step's allowance), so chunks stay large: a step with prefill runs the whole
+    model, and many small chunks would pay that fixed cost many times. A tenant with no row decoding
+    does not wait for its first token: its chunk overdraws the bank, and what it owes counts in its
+    demand until repaid from its later allowances, while its rows run on. The bank holds at most one
+    full chunk and owes at most one; at that debt its rows wait too, so a tiny weight still gets its
+    rows now and then, at its rate.
 
     Args:
         target_ms: Step time to aim at; ``None`` takes ``AUTO_TARGET_OVER_FIXED`` times the fixed cost.
@@ -114,7 +117,8 @@ class TimeShare:
         self.target_ms = target_ms
         self.cost = StepCost(nominal)
         self.max_chunk = max_chunk
-        self.deficit: dict[bytes, float] = {}  # ms a tenant may still spend (negative: owed)
+        self.allow: dict[bytes, float] = {}  # ms of this step a tenant's rows may still take
+        self.bank: dict[bytes, float] = {}   # ms banked for prefill chunks (negative: owed)
         self.is_active = False
         self.coef = self.cost.coef(True)
         self._has_prefill = False              # a prefill chunk is in this step (its fixed cost is paid)
@@ -135,30 +139,34 @@ class TimeShare:
         busy = [k for k, d in demands.items() if d.rows or d.prefill]
         self.is_active = len(busy) > 1
         if not self.is_active:
-            self.deficit.clear()
+            self.allow.clear()
+            self.bank.clear()
             return
         budget = self.budget_ms(is_fixed)
-        wants = {k: self.cost_of(demands[k].rows, demands[k].prefill) for k in busy}
-        allowance = water_fill(budget, wants, {k: weights[k] for k in busy})
-        cap = max(budget, self._cap())
-        self.deficit = {k: min(self.deficit.get(k, 0.0) + allowance[k], cap) for k in busy}
+        wants = {k: self.cost_of(demands[k].rows, demands[k].prefill) + max(0.0, -self.bank.get(k, 0.0))
+                 for k in busy}
+        self.allow = water_fill(budget, wants, {k: weights[k] for k in busy})
+        self.bank = {k: self.bank.get(k, 0.0) for k in busy}
 
     def cost_of(self, rows: int, prefill: int) -> float:
         _, per_row, per_prefill, prefill_fixed = self.coef
         return per_row * rows + per_prefill * prefill + (prefill_fixed if prefill else 0.0)
 
     def can_spend(self, key: bytes) -> bool:
-        return not self.is_active or self.deficit.get(key, 0.0) > 0.0
+        """Whether the tenant may put one more decode row into this step."""
+        if not self.is_active:
+            return True
+        return self.allow.get(key, 0.0) > 0.0 and self.bank.get(key, 0.0) > -self._cap()
 
     def prefill_tokens(self, key: bytes, want: int, is_decoding: bool) -> int:
-        """``want`` if the tenant's deficit covers the chunk (or the time share is off), else 0: it waits
-        for its deficit to grow rather than compute a small chunk now. A tenant with no row decoding
-        (``is_decoding`` false) does not wait for its first token: it overdraws, and repays before its
-        next row runs (its deficit never below minus one full chunk)."""
+        """``want`` if the tenant can pay the chunk (or the time share is off), else 0: it waits for its
+        bank to grow rather than compute a small chunk now. A tenant with no row decoding
+        (``is_decoding`` false) overdraws instead, down to one full chunk owed."""
         if not self.is_active:
             return want
-        deficit, cost = self.deficit.get(key, 0.0), self._chunk_ms(want)
-        if deficit >= cost or (not is_decoding and deficit - cost >= -self._cap()):
+        funds = self.bank.get(key, 0.0) + max(self.allow.get(key, 0.0), 0.0)
+        cost = self._chunk_ms(want)
+        if funds >= cost or (not is_decoding and funds - cost >= -self._cap()):
             return want
         return 0
 
@@ -177,11 +185,22 @@ class TimeShare:
         elif prefill < 0:
             ms -= self.coef[2] * -prefill
         self.step_ms[key] = self.step_ms.get(key, 0.0) + ms
-        if self.is_active:
-            self.deficit[key] = self.deficit.get(key, 0.0) - ms
+        if not self.is_active:
+            return
+        if prefill:  # from this step's allowance first, then the bank
+            from_allow = min(max(self.allow.get(key, 0.0), 0.0), ms) if ms > 0 else 0.0
+            self.allow[key] = self.allow.get(key, 0.0) - from_allow
+            self.bank[key] = self.bank.get(key, 0.0) - (ms - from_allow)
+        else:
+            self.allow[key] = self.allow.get(key, 0.0) - ms
 
     def end(self, alpha: float = 0.1) -> None:
-        """Fold the step's per-tenant costs into each tenant's recent share of the step time."""
+        """Bank what each tenant left of its allowance (a row's overdraft is owed), and fold the step's
+        per-tenant costs into each tenant's recent share of the step time."""
+        if self.is_active:
+            cap = self._cap()
+            for key, left in self.allow.items():
+                self.bank[key] = min(self.bank.get(key, 0.0) + left, cap)
         total = sum(self.step_ms.values())
         if total <= 0:
             return
@@ -190,9 +209,8 @@ class TimeShare:
             self.share[key] = self.share.get(key, now) * (1 - alpha) + now * alpha
 
     def forget(self, key: bytes) -> None:
-        self.deficit.pop(key, None)
-        self.share.pop(key, None)
-        self.step_ms.pop(key, None)
+        for table in (self.allow, self.bank, self.share, self.step_ms):
+            table.pop(key, None)
 
     def fits(self, rows: Iterable[int], is_fixed: bool) -> bool:
         """Whether a decode step of these rows per tenant needs no cut (``Scheduler.schedule_ahead``)."""

@@ -150,3 +150,22 @@ def test_water_fill_gives_what_one_does_not_want_to_the_others():
     out = water_fill(30.0, {b"a": 100.0, b"b": 5.0, b"c": 100.0}, {b"a": 1.0, b"b": 1.0, b"c": 2.0})
     assert out[b"b"] == 5.0
     assert out[b"a"] == pytest.approx(25.0 / 3) and out[b"c"] == pytest.approx(50.0 / 3)
+
+
+def test_a_light_tenants_rows_run_on_while_it_repays_its_first_token():
+    """b sends one chat turn at a time beside a's 63 streams: its prompt overdraws (its first token does
+    not wait), and its rows then run in every step while it repays from its allowance."""
+    sim = SimEngine(num_blocks=4096, block_size=16, max_num_seqs=64, max_num_batched_tokens=512,
+                    step_time_target_ms=TARGET_MS, step_cost=cpu_cost)
+    gaps, waits, last, seq = [], [], None, None
+    for _ in range(400):
+        _keep_busy(sim, b"a", 63, prompt_len=256, max_tokens=128)
+        if seq is None or seq in sim.finished:
+            seq, last, asked = sim.add(b"b", prompt_len=256, max_tokens=32), None, sim.step_no
+        before = seq.num_output_tokens
+        sim.step()
+        if seq.num_output_tokens > before:
+            (gaps if last is not None else waits).append(sim.step_no - (last if last is not None else asked))
+            last = sim.step_no
+    assert len(waits) >= 5 and max(waits) <= 2, waits  # its prompt ran at once
+    assert max(gaps) == 1, gaps  # then a token every step
