@@ -28,6 +28,7 @@ class EngineStats:
     num_recomputed_tokens: int = 0
     num_cache_evictions: int = 0  # cached blocks evicted for new ones
     num_guarded_evictions: int = 0  # of those, blocks of a namespace within its guaranteed share
+    step_time_target_ms: float = 0.0  # the step time the fair share aims at while tenants share (0: off)
     namespaces: dict[bytes, dict[str, int]] = field(default_factory=dict)
     # per busy tenant under the ``fair`` policy: waiting and running sequences, KV blocks held, step share
     tenants: dict[bytes, dict[str, float]] = field(default_factory=dict)
@@ -83,4 +84,5 @@ class StatsTracker:
             num_failed_steps=self.num_failed_steps, num_failed_requests=self.num_failed_requests,
             num_recomputed_tokens=scheduler.num_recomputed_tokens, num_cache_evictions=pool.num_evictions,
             num_guarded_evictions=pool.num_guarded_evictions,
+            step_time_target_ms=scheduler.time_share.step_target_ms() if scheduler.time_share else 0.0,
             namespaces=ns, tenants=scheduler.tenant_stats())

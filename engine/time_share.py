@@ -47,6 +47,7 @@ class StepShape:
 NOMINAL_CPU = StepShape(26.0, 0.72, 0.32, 19.0, 5.0, 3.2)
 NOMINAL_CUDA = StepShape(5.0, 0.0, 0.0, 0.0, 5.0, 0.0)
 AUTO_TARGET_OVER_FIXED = 2.5  # without a set target: steps of 2.5x the fixed cost (40 % overhead)
+PREFILL_PART = 0.5             # of a tenant's part of a step, kept for its prompts while it has some
 _FORGET = 0.95                 # weight of the past per step in the speed estimate (~20 steps)
 _CLIP = 8.0                    # a step's speed counts as at most this far from nominal (a stall is no cost)
 _WARMUP_STEPS = 8              # the first steps compile and fault pages in: not the machine's speed
@@ -128,25 +129,42 @@ class TimeShare:
     def budget_ms(self, is_fixed: bool) -> float:
         """The variable part of a decode step's time (the fixed part is paid once, whoever runs)."""
         self.coef = self.cost.coef(is_fixed)
-        fixed = self.coef[0]
-        target = self.target_ms if self.target_ms else AUTO_TARGET_OVER_FIXED * fixed
-        return max(target - fixed, 0.0)
+        return max(self.step_target_ms(is_fixed) - self.coef[0], 0.0)
+
+    def step_target_ms(self, is_fixed: bool = False) -> float:
+        """The step time aimed at: the set target, or ``AUTO_TARGET_OVER_FIXED`` times the fixed cost."""
+        return self.target_ms or AUTO_TARGET_OVER_FIXED * self.cost.coef(is_fixed)[0]
 
     def begin(self, demands: dict[bytes, Demand], weights: dict[bytes, float], is_fixed: bool) -> None:
         """Allowances for a step among the tenants with work; active only with two or more."""
         self.step_ms = dict.fromkeys(demands, 0.0)
         self._has_prefill = False
         busy = [k for k, d in demands.items() if d.rows or d.prefill]
-        self.is_active = len(busy) > 1
+        budget = self.budget_ms(is_fixed) if len(busy) > 1 else 0.0
+        self.is_active = len(busy) > 1 and self._some_rows_slowed(busy, demands, weights, budget)
         if not self.is_active:
             self.allow.clear()
             self.bank.clear()
             return
-        budget = self.budget_ms(is_fixed)
         wants = {k: self.cost_of(demands[k].rows, demands[k].prefill) + max(0.0, -self.bank.get(k, 0.0))
                  for k in busy}
-        self.allow = water_fill(budget, wants, {k: weights[k] for k in busy})
-        self.bank = {k: self.bank.get(k, 0.0) for k in busy}
+        parts = water_fill(budget, wants, {k: weights[k] for k in busy})
+        cap = self._cap()
+        # a tenant with prompts to start keeps at least PREFILL_PART of its part for them: its rows
+        # alone would take it all whenever it runs more rows than its share, and its new requests
+        # would wait in the queue for its running ones to end
+        self.allow = {k: parts[k] * (1.0 - PREFILL_PART if demands[k].prefill else 1.0) for k in busy}
+        self.bank = {k: min(self.bank.get(k, 0.0) + parts[k] - self.allow[k], cap) for k in busy}
+
+    def _some_rows_slowed(self, busy: list[bytes], demands: dict[bytes, Demand], weights: dict[bytes, float],
+                          budget: float) -> bool:
+        """Whether one tenant's rows fit in its weighted part of the step while another's overflow its
+        own: the one's streams would move at the pace of the other's rows. When every tenant has more
+        rows than its part (or each fits), cutting steps would protect nobody's few streams and only
+        cost tokens/s: the batch slots' shares stand alone."""
+        total = sum(weights[k] for k in busy)
+        over = [self.cost_of(demands[k].rows, 0) > budget * weights[k] / total for k in busy]
+        return any(over) and not all(over)
 
     def cost_of(self, rows: int, prefill: int) -> float:
         _, per_row, per_prefill, prefill_fixed = self.coef

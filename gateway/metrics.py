@@ -48,6 +48,10 @@ class _EngineCollector(Collector):
         yield CounterMetricFamily(
             "kvgate_engine_failed_requests", "Requests those steps failed (each a 500 request_failed)",
             value=getattr(s, "num_failed_requests", 0))
+        yield GaugeMetricFamily(
+            "kvgate_engine_step_time_target_seconds", "The step time the engine aims at while tenants "
+            "share it (set, or 2.5x a step's measured fixed cost; 0: the time share is off)",
+            value=getattr(s, "step_time_target_ms", 0.0) / 1000.0)
         yield from _cache_counters(s)
         yield from _tenant_gauges(getattr(s, "tenants", {}))
 

@@ -124,7 +124,7 @@ def test_each_tenants_step_share_is_reported():
     stats = sim.sched.tenant_stats()
     shares = {k: v["step_share"] for k, v in stats.items()}
     assert sum(shares.values()) == pytest.approx(1.0, abs=0.05)
-    assert shares[b"b"] > 0.35
+    assert shares[b"b"] > 0.3  # slots alone leave it about 8 rows of 56: 0.15
 
 
 def test_the_cost_model_learns_the_machines_speed():

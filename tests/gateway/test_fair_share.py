@@ -31,6 +31,8 @@ async def test_a_busy_tenant_shows_in_metrics_and_leaves_them_when_idle(gw):
     assert f'kvgate_tenant_running_requests{{tenant="{tid}"}} 1.0' in text
     assert f'kvgate_tenant_kv_blocks{{tenant="{tid}"}}' in text
     assert f'kvgate_tenant_step_share{{tenant="{tid}"}} 1.0' in text  # alone: every step is its own
+    target = float(text.split("\nkvgate_engine_step_time_target_seconds ", 1)[1].split()[0])
+    assert 0.005 < target < 5.0  # 2.5x the fixed cost this machine measured
     await stream.aclose()  # the caller leaves: the engine aborts it
     for _ in range(100):
         if not engine.stats().tenants:
