@@ -175,8 +175,7 @@ class EngineGate:
         """
         t = self._tenants.get(tenant_id) or _Tenant()
         t.weight = weight
-        num_free = self.limit - self.num_in_flight - t.num_claimed - self._num_claimed_by_others(tenant_id, t)
-        self._check(tenant_id, t, t.num_held + t.num_claimed, num_free, count_claims=False)
+        self._check(tenant_id, t, t.num_held + t.num_claimed, self.limit - self.num_in_flight - t.num_claimed)
         t.num_claimed += 1
         t.waits_until = -math.inf
         self._tenants[tenant_id] = t
@@ -202,15 +201,14 @@ class EngineGate:
         t = self._tenants.get(tenant_id)
         return (0, 0) if t is None else (t.num_held, t.num_claimed)
 
-    def _check(self, tenant_id: str, t: _Tenant, num_used: int, num_free: int, *, count_claims: bool) -> None:
+    def _check(self, tenant_id: str, t: _Tenant, num_used: int, num_free: int) -> None:
         """Raise unless a request of ``tenant_id``, which holds ``num_used`` places (and claims), may have
-        one of the ``num_free`` places free for it (``count_claims``: keep the other tenants' claims
-        their places, when ``num_free`` has not already)."""
+        one of the ``num_free`` places free for it."""
         now = self._clock()
         others = self._others(tenant_id, now)
         total_weight = t.weight + sum(o.weight for o in others)
         if others and num_used >= self.limit * t.weight / total_weight:
-            if num_free > self.num_headroom + self._num_owed(others, total_weight, now, count_claims):
+            if num_free > self.num_headroom + self._num_owed(others, total_weight, now):
                 return
             raise exceeded(
                 "This tenant holds its share of the server's engine places while other tenants wait for "
@@ -234,28 +232,18 @@ class EngineGate:
             del self._tenants[idle]
         return [o for k, o in self._tenants.items() if k != tenant_id]
 
-    def _num_claimed_by_others(self, tenant_id: str, t: _Tenant) -> int:
-        """The places other tenants' requests in admission will take if their reservations admit them,
-        each tenant's counted up to its share: a claim passes only where a place is left for it once
-        those are taken (a burst of tenants at one free place is refused here, before its prompts are
-        read), and a burst its reservations will refuse blocks nobody beyond its own share."""
-        others = self._others(tenant_id, self._clock())
-        total_weight = t.weight + sum(o.weight for o in others)
-        return sum(max(0, min(o.num_claimed, math.ceil(self.limit * o.weight / total_weight) - o.num_held))
-                   for o in others)
-
-    def _num_owed(self, others: list[_Tenant], total_weight: float, now: float, count_claims: bool) -> int:
-        """The places the other tenants need to reach their shares: their requests in admission
-        (``count_claims``) and one for a tenant refused for want of a place, waiting to retry."""
+    def _num_owed(self, others: list[_Tenant], total_weight: float, now: float) -> int:
+        """The places the other tenants' requests in admission (or a retry of a refused one) need to
+        reach their shares."""
         num = 0
         for o in others:
-            wanted = max(o.num_claimed if count_claims else 0, 1 if o.waits_until > now else 0)
+            wanted = o.num_claimed or (1 if o.waits_until > now else 0)
             num += max(0, min(wanted, math.ceil(self.limit * o.weight / total_weight) - o.num_held))
         return num
 
     def _take(self, tenant_id: str) -> None:
         t = self._tenants[tenant_id]
-        self._check(tenant_id, t, t.num_held, self.limit - self.num_in_flight, count_claims=True)
+        self._check(tenant_id, t, t.num_held, self.limit - self.num_in_flight)
         t.num_claimed -= 1
         t.num_held += 1
         if self.num_in_flight == 0:

@@ -106,18 +106,6 @@ def test_claims_the_reservation_refuses_never_keep_another_tenant_out() -> None:
     assert gate.num_places("c") == (0, 0) and gate.num_in_flight == len(b) == 8
 
 
-def test_a_crowd_of_tenants_at_one_free_place_is_refused_at_its_claims() -> None:
-    """Only the first claim can become a place: the others are refused before their prompts are read
-    and their reservations written, not after."""
-    gate = _gate()
-    _take(gate, "a", 15)
-    first = gate.claim("t0")
-    for i in range(1, 50):
-        _overloaded(gate, f"t{i}")
-    first.take()
-    assert gate.num_in_flight == 16
-
-
 def test_a_tenant_over_its_share_is_refused_while_one_under_it_gets_a_place() -> None:
     gate = _gate()
     _take(gate, "a", 13)
