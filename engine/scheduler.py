@@ -134,7 +134,7 @@ class Scheduler:
         self._schedule_running(out)
         if not out.preempted:
             self._schedule_waiting(out)
-        rows = sum(1 for seq, n in out.scheduled if n == 1 and seq.num_computed_tokens >= seq.prompt_len)
+        rows = sum(1 for seq, n in out.scheduled if is_decode_row(seq, n))
         self.last_step_shape = (rows, out.num_tokens - rows)
         if self.time_share is not None:
             self.time_share.end()
@@ -144,6 +144,9 @@ class Scheduler:
         if self.time_share is None:
             return
         tenants = self.ledger.tenants.values()
+        if len(tenants) < 2:  # alone: nothing to share, and no demand to count on every step
+            self.time_share.begin({}, {}, self._num_fixed > 0)
+            return
         self.time_share.begin(
             {t.key: tenant_demand(t.running, t.waiting, self.max_num_batched_tokens) for t in tenants},
             {t.key: t.weight for t in tenants}, self._num_fixed > 0)
