@@ -292,26 +292,30 @@ async def admit(
         if found.features:
             fields["features"] = list(found.features)
         fields["prompt_hash"] = prompt_hash = rt.prompt_hash(prompt_ids)
+        # Everything the admission holds is made before the reservation: nothing can fail between it and
+        # the Admission that settles it (a reservation no one settles would hold its tenant's slot).
+        namespace = _namespace(decision, principal, req.cache_salt)
+        upstream = None if target is None else prepare(
+            target, req, kind, decision.max_tokens, namespace, prompt_ids, rt.salt_key,
+            policy.allow_shared_upstream_cache)
+        fingerprint = None if target is not None else rt.engine.determinism.fingerprints[decision.determinism]
+        share = None if target is not None else _share(rt, principal, policy)
+        retained = retention.retained_prompt(req) if policy.prompt_retention_days else None
         reservation, info = await _reserve_audited(rt, principal, policy, decision, fields, auth_event, hold)
     except BaseException:
         hold.give()  # what refused the request after the gate gives its places back
         if place is not None:
             place.give(is_finished=False)
         raise
-    namespace = _namespace(decision, principal, req.cache_salt)
-    upstream = None if target is None else prepare(
-        target, req, kind, decision.max_tokens, namespace, prompt_ids, rt.salt_key,
-        policy.allow_shared_upstream_cache)
-    fingerprint = None if target is not None else rt.engine.determinism.fingerprints[decision.determinism]
     return Admission(
         request_id, kind, principal, req.model, prompt_ids, params, namespace, decision.priority, reservation,
         info.headers(), int(time.time()),
         retain_days=policy.prompt_retention_days,
-        retained_prompt=retention.retained_prompt(req) if policy.prompt_retention_days else None,
+        retained_prompt=retained,
         prompt_hash=prompt_hash,
         system_fingerprint=fingerprint,
         place=place,
-        share=None if target is not None else _share(rt, principal, policy),
+        share=share,
         tools=found.tools,
         upstream=upstream,
     )

@@ -171,3 +171,22 @@ async def test_policy_change_applies_on_the_next_request(tmp_path, db_url, llm):
         assert r.status_code == 200, r.text
         limited = await _chat(gw, key)
         assert limited.status_code == 429 and limited.headers["x-ratelimit-limit-requests"] == "1"
+
+
+async def test_a_failure_after_the_decision_leaks_no_slot_or_engine_place(one_slot, monkeypatch):
+    """What the admission computes from the decision (the tenant's engine share, read from the engine's
+    stats, say) fails before the reservation is written, never between it and its settlement."""
+    import gateway.services.admission as admission
+
+    gw, tid, key = one_slot
+    with monkeypatch.context() as m:
+        def broken_share(*_):
+            raise RuntimeError("engine stats unavailable")
+
+        m.setattr(admission, "_share", broken_share)
+        r = await _chat(gw, key)
+        assert r.status_code == 500  # the server's own fault, answered as such
+    assert gw.runtime.overload.num_places(tid) == (0, 0)
+    assert await _minute_usage(gw, tid) == []  # nothing was reserved
+    r = await _chat(gw, key)  # the tenant's one concurrency slot is free
+    assert r.status_code == 200, r.text
