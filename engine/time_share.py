@@ -102,9 +102,10 @@ class TimeShare:
     Decode rows spend the step's allowance, row by row, so a tenant's rows in one step stay within its
     share of the step; what it leaves goes to its bank. A prefill chunk is paid whole from the bank (and
     what is left of this step's allowance), so chunks stay large: a step with prefill runs the whole
-    model, and many small chunks would pay that fixed cost many times. A tenant with no row decoding
-    does not wait for its first token: its chunk overdraws the bank, and what it owes counts in its
-    demand until repaid from its later allowances, while its rows run on. The bank holds at most one
+    model, and many small chunks would pay that fixed cost many times. A new prompt does not wait for
+    its tenant to save up: while the bank owes nothing (or the tenant has no row decoding) its chunk
+    overdraws the bank, and what it owes counts in its demand until repaid from its later allowances,
+    while its rows run on. The bank holds at most one
     full chunk and owes at most one; at that debt its rows wait too, so a tiny weight still gets its
     rows now and then, at its rate.
 
@@ -178,13 +179,16 @@ class TimeShare:
 
     def prefill_tokens(self, key: bytes, want: int, is_decoding: bool) -> int:
         """``want`` if the tenant can pay the chunk (or the time share is off), else 0: it waits for its
-        bank to grow rather than compute a small chunk now. A tenant with no row decoding
-        (``is_decoding`` false) overdraws instead, down to one full chunk owed."""
+        bank to grow rather than compute a small chunk now. A tenant that owes nothing overdraws
+        instead, down to one full chunk owed, and so does one with no row decoding (``is_decoding``
+        false) whatever it owes: a new prompt does not wait for its tenant to save up, only for what its
+        tenant's last one still owes."""
         if not self.is_active:
             return want
-        funds = self.bank.get(key, 0.0) + max(self.allow.get(key, 0.0), 0.0)
+        bank = self.bank.get(key, 0.0)
+        funds = bank + max(self.allow.get(key, 0.0), 0.0)
         cost = self._chunk_ms(want)
-        if funds >= cost or (not is_decoding and funds - cost >= -self._cap()):
+        if funds >= cost or ((bank >= 0.0 or not is_decoding) and funds - cost >= -self._cap()):
             return want
         return 0
 
