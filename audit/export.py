@@ -36,7 +36,7 @@ from audit import bundle, chain
 from audit.events import AUDIT_EXPORTED, make_event
 from audit.keys import public_key_pem
 from audit.purge import find_purge_record
-from audit.store import AuditStore, _fail_closed, format_ts, now_ts
+from audit.store import AuditStore, fail_closed, format_ts, now_ts
 from audit.tables import audit_checkpoints, audit_events
 
 _CP_KEYS = ("seq", "link", "chain_hash", "created_at", "signature")
@@ -104,7 +104,7 @@ async def _plan(store: AuditStore, spec: ExportSpec) -> dict[str, Any]:
 
 async def write_bundle_dir(store: AuditStore, out_dir: Path, spec: ExportSpec) -> dict[str, Any]:
     """Write the bundle files into ``out_dir`` (created); returns the manifest."""
-    with _fail_closed("export"):
+    with fail_closed("export"):
         await store.checkpoint()  # the head must be signed so the last event has an end checkpoint
         plan = await _plan(store, spec)
         out_dir.mkdir(parents=True, exist_ok=False)

@@ -9,7 +9,7 @@ from sqlalchemy import func, select
 
 from audit import chain
 from audit.events import records_purge
-from audit.store import AuditStore, Head, _fail_closed
+from audit.store import AuditStore, Head, fail_closed
 from audit.tables import audit_checkpoints, audit_events, audit_head
 
 
@@ -29,7 +29,7 @@ async def verify_store(store: AuditStore) -> ChainCheck:
     from the start of the table are not a purge. The chain must end at the head the writers recorded,
     so rows deleted from the end are found too.
     """
-    with _fail_closed("verify"):
+    with fail_closed("verify"):
         async with store.engine.connect() as conn:
             # Checkpoints before the head: with writers appending meanwhile, every checkpoint read is
             # then at or before the head read, and the walk stops at that head.

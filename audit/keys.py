@@ -34,7 +34,8 @@ def _create_exclusive(path: Path, data: bytes) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def _load_or_create(path: Path, make: callable) -> bytes:  # type: ignore[valid-type]
+def load_or_create_secret(path: Path, make: callable) -> bytes:  # type: ignore[valid-type]
+    """The secret file at ``path``; the first process to want it writes it from ``make()``."""
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         _create_exclusive(path, make())
@@ -101,12 +102,13 @@ class AuditKeys:
 
 def load_or_create_keys(data_dir: Path) -> AuditKeys:
     """Read (or create, 0600) the audit keys under ``data_dir``; also writes the public key PEM."""
-    pem = _load_or_create(data_dir / SIGNING_KEY_FILE, lambda: Ed25519PrivateKey.generate().private_bytes(
-        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+    pem = load_or_create_secret(
+        data_dir / SIGNING_KEY_FILE, lambda: Ed25519PrivateKey.generate().private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
     signing = serialization.load_pem_private_key(pem, password=None)
     if not isinstance(signing, Ed25519PrivateKey):
         raise ValueError(f"{data_dir / SIGNING_KEY_FILE} is not an Ed25519 private key")
-    chain_key = _load_or_create(data_dir / CHAIN_KEY_FILE, lambda: secrets.token_bytes(32))
+    chain_key = load_or_create_secret(data_dir / CHAIN_KEY_FILE, lambda: secrets.token_bytes(32))
     keys = AuditKeys(signing, chain_key)
     pub_path = data_dir / PUBLIC_KEY_FILE
     if not pub_path.exists():

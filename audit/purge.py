@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
@@ -9,8 +10,16 @@ from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from audit.events import AUDIT_PURGED, make_event, records_purge
-from audit.store import AuditStore, Head, PurgeResult, _fail_closed, _lock_head, as_record, format_ts
+from audit.store import AuditStore, Head, as_record, fail_closed, format_ts, lock_head
 from audit.tables import audit_checkpoints, audit_events
+
+
+@dataclass(frozen=True, slots=True)
+class PurgeResult:
+    """What a purge cut: the last deleted ``seq`` (``None`` when nothing was old enough) and how many."""
+
+    cut_seq: int | None
+    num_deleted: int
 
 
 async def purge_before(store: AuditStore, before: datetime, *, actor: str | None = None) -> PurgeResult:
@@ -24,9 +33,9 @@ async def purge_before(store: AuditStore, before: datetime, *, actor: str | None
     Raises:
         AuditUnavailable: The store could not be read or written; nothing was deleted.
     """
-    with _fail_closed("purge"):
+    with fail_closed("purge"):
         async with store._local_lock, store.engine.begin() as conn:
-            head = await conn.run_sync(_lock_head)
+            head = await conn.run_sync(lock_head)
             cut = await _purge_cut(conn, format_ts(before))
             num_deleted, cut_hash = 0, None
             if cut is not None:

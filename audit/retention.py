@@ -26,7 +26,7 @@ from sqlalchemy import delete, func, insert, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from audit.keys import _load_or_create
+from audit.keys import load_or_create_secret
 from audit.tables import retained_prompts, tenant_data_keys
 
 MASTER_KEY_FILE = "retention_master.key"
@@ -64,7 +64,7 @@ class RecordInfo:
 
 
 def load_or_create_master_key(data_dir: Path) -> bytes:
-    key = _load_or_create(data_dir / MASTER_KEY_FILE, lambda: secrets.token_bytes(32))
+    key = load_or_create_secret(data_dir / MASTER_KEY_FILE, lambda: secrets.token_bytes(32))
     if len(key) != 32:
         raise ValueError(f"{data_dir / MASTER_KEY_FILE} must hold exactly 32 bytes")
     return key

@@ -1,4 +1,4 @@
-"""Append-only audit store on SQLAlchemy async Core: serialized appends, checkpoints, purge."""
+"""Append-only audit store on SQLAlchemy async Core: serialized appends, checkpoints, reads."""
 
 from __future__ import annotations
 
@@ -61,12 +61,6 @@ class Checkpoint:
                 "created_at": self.created_at, "signature": self.signature}
 
 
-@dataclass(frozen=True, slots=True)
-class PurgeResult:
-    cut_seq: int | None
-    num_deleted: int
-
-
 def format_ts(dt: datetime) -> str:
     """Fixed-width ISO-8601 UTC, so stored timestamps sort as strings."""
     return dt.astimezone(UTC).replace(tzinfo=None).isoformat(timespec="microseconds") + "Z"
@@ -77,7 +71,12 @@ def now_ts() -> str:
 
 
 @contextmanager
-def _fail_closed(operation: str) -> Iterator[None]:
+def fail_closed(operation: str) -> Iterator[None]:
+    """Turn the database's and the network's errors inside the block into ``AuditUnavailable``.
+
+    Every reader and writer of the store runs its statements inside one, so callers fail closed on a
+    single exception type whose message names ``operation`` and never the statement's parameters.
+    """
     try:
         yield
     except (TimeoutError, sa_exc.DBAPIError, sa_exc.InterfaceError, sqlite3.Error, OSError,
@@ -126,7 +125,7 @@ class AuditStore:
 
     async def start(self, *, create_tables: bool = False) -> None:
         """Ensure the head row exists (tables come from migration 0002 unless ``create_tables``)."""
-        with _fail_closed("start"):
+        with fail_closed("start"):
             if create_tables:
                 async with self.engine.begin() as conn:
                     await conn.run_sync(metadata.create_all)
@@ -153,7 +152,7 @@ class AuditStore:
             AuditUnavailable: The store could not be written; nothing was recorded.
         """
         event = await redact_off_loop(event)
-        with _fail_closed("append"):
+        with fail_closed("append"):
             if conn is not None:
                 return await conn.run_sync(self.append_sync, event)
             async with self._local_lock, self.engine.begin() as own:
@@ -162,12 +161,12 @@ class AuditStore:
     def append_sync(self, conn: Connection, event: AuditEvent) -> Head:
         """Chain and store one event inside the caller's synchronous transaction (it commits or rolls
         back with the caller's other writes). Database errors propagate unwrapped."""
-        return self._append_all(conn, _lock_head(conn), (event,))
+        return self._append_all(conn, lock_head(conn), (event,))
 
     def append_many_sync(self, conn: Connection, events: Sequence[AuditEvent]) -> Head:
         """``append_sync`` for several events in order, with one lock and one update of the head for all
         of them (a request's admission records two)."""
-        return self._append_all(conn, _lock_head(conn), events)
+        return self._append_all(conn, lock_head(conn), events)
 
     async def record(self, name: str, **fields: Any) -> Head:
         """``append(make_event(name, **fields))``."""
@@ -217,22 +216,16 @@ class AuditStore:
 
     async def checkpoint(self) -> Checkpoint | None:
         """Sign the current head unless it is already checkpointed (or the chain is empty)."""
-        with _fail_closed("checkpoint"):
+        with fail_closed("checkpoint"):
             async with self._local_lock, self.engine.begin() as conn:
-                head = await conn.run_sync(_lock_head)
+                head = await conn.run_sync(lock_head)
                 last = (await conn.execute(select(func.max(audit_checkpoints.c.seq)))).scalar()
                 if head.seq == 0 or (last is not None and last >= head.seq):
                     return None
                 return await conn.run_sync(self._insert_checkpoint, head)
 
-    async def purge(self, before: datetime, *, actor: str | None = None) -> PurgeResult:
-        """Delete the prefix of events older than ``before`` (``audit.purge.purge_before``)."""
-        from audit.purge import purge_before
-
-        return await purge_before(self, before, actor=actor)
-
     async def head(self) -> Head:
-        with _fail_closed("head"):
+        with fail_closed("head"):
             async with self.engine.connect() as conn:
                 row = (await conn.execute(select(audit_head).where(audit_head.c.id == 1))).one()
                 return Head(row.seq, row.link, row.chain_hash)
@@ -242,7 +235,7 @@ class AuditStore:
         """Stored events ``first_seq..last_seq`` in order, fetched in keyset pages (bounded memory)."""
         cursor = first_seq
         while cursor <= last_seq:
-            with _fail_closed("read"):
+            with fail_closed("read"):
                 async with self.engine.connect() as conn:
                     rows = (await conn.execute(select(audit_events).where(
                         audit_events.c.seq >= cursor, audit_events.c.seq <= last_seq,
@@ -258,7 +251,8 @@ def as_record(row: Any) -> dict[str, Any]:
     return {**{c: row[c] for c in _RECORD_COLUMNS}, "data": orjson.loads(row["data"])}
 
 
-def _lock_head(conn: Connection) -> Head:
+def lock_head(conn: Connection) -> Head:
+    """Lock the chain's head row for ``conn``'s transaction and return it; writers of events call it first."""
     # The first statement is a write: PostgreSQL takes the row lock, SQLite takes its RESERVED (write)
     # lock at once, as BEGIN IMMEDIATE would. Concurrent writers wait here, so ``seq`` never forks.
     rows = execute(conn, _LOCK_HEAD)

@@ -13,6 +13,7 @@ import typer
 from audit.events import RETENTION_KEY_SHREDDED, RETENTION_PURGED
 from audit.export import ExportSpec, export_bundle
 from audit.keys import PUBLIC_KEY_FILE, load_or_create_keys, load_public_key
+from audit.purge import purge_before
 from audit.retention import RetentionStore, resolve_master_key
 from audit.store import AuditStore, AuditUnavailable
 from audit.verify import verify_bundle
@@ -110,7 +111,7 @@ def purge_cmd(
     when = _parse_when(before)
     assert when is not None
     try:
-        result = asyncio.run(_with_store(data, url, lambda s: s.purge(when, actor=cli_actor())))
+        result = asyncio.run(_with_store(data, url, lambda s: purge_before(s, when, actor=cli_actor())))
     except AuditUnavailable as e:
         typer.echo(f"purge failed: {e}", err=True)
         raise typer.Exit(2) from e

@@ -12,6 +12,7 @@ from audit.context import register_sensitive, request_context
 from audit.events import ADMIN_ACTION, AUDIT_PURGED, REQUEST_FINISHED, make_event
 from audit.export import ExportSpec, export_bundle
 from audit.integrity import verify_store
+from audit.purge import purge_before
 from audit.retention import RecordUnreadable, RetentionStore, load_or_create_master_key
 from audit.store import AuditStore, AuditUnavailable, format_ts, make_audit_engine
 from audit.tables import audit_checkpoints, audit_events, retained_prompts
@@ -78,7 +79,7 @@ async def test_purge_keeps_remaining_chain_verifiable(store: AuditStore, tmp_pat
     await append_events(store, 9)
     cut_time = datetime.now(UTC)
     await append_events(store, 5)
-    result = await store.purge(cut_time, actor="test")
+    result = await purge_before(store, cut_time, actor="test")
     assert (result.cut_seq, result.num_deleted) == (9, 9)
     async with store.engine.connect() as conn:
         seqs = [r.seq for r in (await conn.execute(select(audit_events.c.seq))).all()]
@@ -96,7 +97,7 @@ async def test_purge_keeps_remaining_chain_verifiable(store: AuditStore, tmp_pat
     # A second purge cuts past the first one's event; its own event records the new cut.
     cut_time = datetime.now(UTC)
     await append_events(store, 3)
-    assert (await store.purge(cut_time)).cut_seq == 17  # the purge at 15 and two exports went too
+    assert (await purge_before(store, cut_time)).cut_seq == 17  # the purge at 15 and two exports went too
     assert (await verify_store(store)).ok
     await export_bundle(store, tmp_path / "again", ExportSpec())
     assert verify_bundle(tmp_path / "again", store.keys.public_key).ok
@@ -132,7 +133,7 @@ async def test_purge_cuts_by_sequence_when_clocks_disagree(store: AuditStore,
         monkeypatch.setattr("audit.store.now_ts", lambda stamp=stamp: stamp)
         await append_events(store, 1)
     monkeypatch.undo()
-    result = await store.purge(cut_time, actor="test")
+    result = await purge_before(store, cut_time, actor="test")
     assert (result.cut_seq, result.num_deleted) == (3, 3)
     async with store.engine.connect() as conn:
         seqs = (await conn.execute(select(audit_events.c.seq).order_by(audit_events.c.seq))).scalars().all()
