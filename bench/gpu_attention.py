@@ -148,10 +148,10 @@ def _quantized_methods(q, k_cache, v_cache, tables, lens, scale) -> dict:
     """The split kernel over int8 and fp8 copies of the cache (their GB/s count the 8-bit values and the
     scales they read; their error against SDPA includes the quantization's)."""
     from kernels.kv_quant import QUANT_DTYPES, QuantizedKV, quantize
-    from kernels.paged_attention import _num_sms
+    from kernels.paged_attention import num_sms
     from kernels.triton_decode import pick_num_splits, split_decode_attention
 
-    splits = pick_num_splits(q.shape[0], k_cache.shape[2], _num_sms(q.device))
+    splits = pick_num_splits(q.shape[0], k_cache.shape[2], num_sms(q.device))
     methods = {}
     for kind, qdtype in QUANT_DTYPES.items():
         kq, vq = (QuantizedKV(*quantize(c, qdtype), c.dtype) for c in (k_cache, v_cache))
@@ -163,10 +163,10 @@ def _quantized_methods(q, k_cache, v_cache, tables, lens, scale) -> dict:
 
 def _split_variants(q, k_cache, v_cache, tables, lens, scale) -> dict:
     """The split-KV kernel at other tiles, warps, pipeline depths and split counts than the engine's."""
-    from kernels.paged_attention import _num_sms
+    from kernels.paged_attention import num_sms
     from kernels.triton_decode import pick_num_splits, split_decode_attention
 
-    picked = pick_num_splits(q.shape[0], k_cache.shape[2], _num_sms(q.device))
+    picked = pick_num_splits(q.shape[0], k_cache.shape[2], num_sms(q.device))
 
     def variant(tile: int, warps: int, stages: int, splits: int):
         return lambda: split_decode_attention(q, k_cache, v_cache, tables, lens, scale, splits, tile=tile,
@@ -203,7 +203,7 @@ def run_prefill_bench(device: torch.device, heads: tuple[int, int, int], dtype: 
 def _prefill_case(device: torch.device, heads: tuple[int, int, int], dtype: torch.dtype, chunks: int,
                   cached: int, n: int) -> dict:
     from kernels import AttentionMetadata, PrefillSpan
-    from kernels.paged_attention import _prefill_torch
+    from kernels.paged_attention import prefill_torch
     from kernels.triton_prefill import PrefillPlan, prefill_attention
 
     num_heads, num_kv_heads, head_dim = heads
@@ -219,7 +219,7 @@ def _prefill_case(device: torch.device, heads: tuple[int, int, int], dtype: torc
     plan = PrefillPlan.build(spans, device)
     scale = head_dim ** -0.5
     triton_ms = time_ms(lambda: prefill_attention(q, k, v, plan, scale, out), device, graph=False)
-    torch_ms = time_ms(lambda: _prefill_torch(q, k, v, meta, scale, ref), device, graph=False)
+    torch_ms = time_ms(lambda: prefill_torch(q, k, v, meta, scale, ref), device, graph=False)
     err = float((out.float() - ref.float()).norm() / ref.float().norm())
     return {"chunks": chunks, "cached": cached, "chunk_tokens": n, "triton_ms": triton_ms,
             "torch_ms": torch_ms, "rel_err": err}

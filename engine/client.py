@@ -21,7 +21,7 @@ from engine.stream_output import OutputAccumulator
 logger = logging.getLogger("kvgate.engine")
 
 
-class _Stream:
+class RequestStream:
     """One request's outputs on their way to the caller's event loop.
 
     Deltas are folded into an ``OutputAccumulator`` as they come, and the caller takes everything new at
@@ -64,8 +64,8 @@ class _Stream:
 
 
 class StreamingFront:
-    """``generate`` for async engine fronts: each request's deltas arrive on a ``_Stream`` that the front
-    fills from wherever its engine runs (``_submit`` starts a request, ``abort`` ends one early)."""
+    """``generate`` for async engine fronts: each request's deltas arrive on a ``RequestStream`` that the
+    front fills from wherever its engine runs (``_submit`` starts a request, ``abort`` ends one early)."""
 
     async def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                        request_id: str | None = None, *, cache_namespace: bytes = b"",
@@ -78,7 +78,7 @@ class StreamingFront:
             EngineUnavailableError: The engine is not running, or died while serving the request.
         """
         request_id = request_id or uuid.uuid4().hex
-        stream = _Stream(asyncio.get_running_loop(), request_id)
+        stream = RequestStream(asyncio.get_running_loop(), request_id)
         # The engine's validation error, if any, comes back as the stream's first item: no separate
         # acknowledgement (one wake-up of this loop less per request, in the middle of its first step).
         self._submit(request_id, stream, (prompt, params, cache_namespace, priority, share))
@@ -93,7 +93,7 @@ class StreamingFront:
             if not finished:
                 self.abort(request_id)
 
-    def _submit(self, request_id: str, stream: _Stream, request: tuple) -> None:
+    def _submit(self, request_id: str, stream: RequestStream, request: tuple) -> None:
         raise NotImplementedError
 
     def _forget(self, request_id: str) -> None:
@@ -119,7 +119,7 @@ class AsyncLLMEngine(StreamingFront):
         # label a stream before its first token.
         self.determinism = self.engine.determinism
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, RequestStream] = {}
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._stats = self.engine.stats(namespaces=False)
@@ -149,7 +149,7 @@ class AsyncLLMEngine(StreamingFront):
         breakdown (``engine.stats()`` has it, from the loop thread)."""
         return self._stats
 
-    def _submit(self, request_id: str, stream: _Stream, request: tuple) -> None:
+    def _submit(self, request_id: str, stream: RequestStream, request: tuple) -> None:
         if not self.is_running:
             raise EngineUnavailableError("engine loop is not running (call start())") from self.error
         self._commands.put(("add", request_id, *request, stream))

@@ -32,9 +32,9 @@ class ModelRunner:
         """On CUDA with Triton, run decode-only ``fast`` steps of up to ``max_rows`` rows through
         ``engine.cuda_decode`` (one pinned input copy; CUDA graphs unless ``use_graphs`` is False).
         Elsewhere a no-op: the CPU keeps its path."""
-        from kernels.paged_attention import _has_triton
+        from kernels.paged_attention import has_triton
 
-        if self.device.type == "cuda" and _has_triton():
+        if self.device.type == "cuda" and has_triton():
             self.decoder = CudaDecoder(self.model, self.kv_caches, self.block_size, self.null_block, max_rows,
                                        self.model.cos_cache.shape[0], use_graphs)
             if use_graphs:

@@ -22,7 +22,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from engine.client import StreamingFront, _Stream
+from engine.client import RequestStream, StreamingFront
 from engine.config import EngineConfig
 from engine.errors import EngineUnavailableError
 from engine.process_child import DeterminismSummary, EngineChild, Ready
@@ -66,7 +66,7 @@ class ProcessLLMEngine(StreamingFront):
             self._child.proc.join(10)
             raise
         self._stats = ready.stats
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, RequestStream] = {}
         self._send_lock = threading.Lock()
         self._reader: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None  # reading the pipe itself (see ``start``)
@@ -136,7 +136,7 @@ class ProcessLLMEngine(StreamingFront):
         """The snapshot the child sent with its latest step (without the per-namespace breakdown)."""
         return self._stats
 
-    def _submit(self, request_id: str, stream: _Stream, request: tuple) -> None:
+    def _submit(self, request_id: str, stream: RequestStream, request: tuple) -> None:
         self._streams[request_id] = stream  # before the death check: a sweep after it reaches this one
         # Not ``is_running``: its waitpid() is a syscall per request, and a dead child fails the send
         # or, sent just before, the sweep ``_lose`` makes.

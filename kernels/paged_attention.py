@@ -167,9 +167,9 @@ def _decode_fused(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     out[:n] = paged_decode_attention(query[:n], k_cache, v_cache, tables, lens, scale)
 
 
-def _prefill_torch(query: torch.Tensor, k_cache: torch.Tensor | QuantizedKV,
-                   v_cache: torch.Tensor | QuantizedKV, meta: AttentionMetadata, scale: float,
-                   out: torch.Tensor) -> None:
+def prefill_torch(query: torch.Tensor, k_cache: torch.Tensor | QuantizedKV,
+                  v_cache: torch.Tensor | QuantizedKV, meta: AttentionMetadata, scale: float,
+                  out: torch.Tensor) -> None:
     """Chunk by chunk: gather the context (dequantized if 8-bit), then SDPA (the CPU's path). A bfloat16
     cache on the CPU is read in float32, as the fused decode kernel reads it: a bfloat16 model's K/V are
     bfloat16 values either way, and a token's attention then does not depend on whether it ran in a
@@ -210,12 +210,12 @@ def _decode_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
 
     tables, lens = decode_rows(meta, k_cache.shape[1])
     n = meta.num_decode_tokens
-    splits = pick_num_splits(n, k_cache.shape[2], _num_sms(query.device))
+    splits = pick_num_splits(n, k_cache.shape[2], num_sms(query.device))
     out[:n] = split_decode_attention(query[:n], k_cache, v_cache, tables, lens, scale, splits)
 
 
 @functools.cache
-def _num_sms(device: torch.device) -> int:
+def num_sms(device: torch.device) -> int:
     """The GPU's SM count; 1 elsewhere (Triton's interpreter on CPU tensors, in tests)."""
     if device.type != "cuda":
         return 1
@@ -227,13 +227,14 @@ def _decode_kernel(query: torch.Tensor, k_cache: torch.Tensor):
     torch's."""
     if _can_fuse_decode(query, k_cache):
         return _decode_fused
-    if k_cache.device.type == "cuda" and _has_triton():
+    if k_cache.device.type == "cuda" and has_triton():
         return _decode_triton
     return _decode_torch
 
 
 @functools.cache
-def _has_triton() -> bool:
+def has_triton() -> bool:
+    """Whether Triton can be imported here (the GPU kernels' compiler); asked once per process."""
     try:
         import triton  # noqa: F401
     except ImportError:
@@ -294,8 +295,8 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor | QuantizedKV,
             zero_block(k_cache, meta.scratch_block)
             zero_block(v_cache, meta.scratch_block)
     if meta.prefills:
-        on_gpu = query.device.type == "cuda" and _has_triton()
-        (_prefill_triton if on_gpu else _prefill_torch)(query, k_cache, v_cache, meta, scale, out)
+        on_gpu = query.device.type == "cuda" and has_triton()
+        (_prefill_triton if on_gpu else prefill_torch)(query, k_cache, v_cache, meta, scale, out)
     if meta.invariant is not None:
         out[meta.invariant.start:] = _invariant_rows(query, k_cache, v_cache, meta.invariant, scale)
     return out.view(num_tokens, num_heads * head_dim).to(query.dtype)

@@ -68,8 +68,8 @@ def _split_decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, tables_ptr, ctx_pt
         k = tl.load(k_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)  # [TILE, D]
         v = tl.load(v_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
         if F16:
-            k = _to_f16(k, IS_INT8)
-            v = _to_f16(v, IS_INT8)
+            k = to_f16(k, IS_INT8)
+            v = to_f16(v, IS_INT8)
         if IEEE:
             s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
@@ -100,7 +100,7 @@ def _split_decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, tables_ptr, ctx_pt
 
 
 @triton.jit
-def _to_f16(x, IS_INT8: tl.constexpr):
+def to_f16(x, IS_INT8: tl.constexpr):
     """8-bit values to float16 for the dot. int8 by the magic-number trick (x + 1152 as float16 bits of
     1024 + (x + 128), less 1152: integer adds instead of int-to-float conversions, whose throughput
     bound the kernel); e4m3 by the hardware's packed conversion."""

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from kernels.kv_quant import QuantizedKV
-from kernels.triton_decode import _to_f16
+from kernels.triton_decode import to_f16
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 BLOCK_M = 64  # query tokens a program takes
@@ -92,8 +92,8 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, slots_ptr, tiles_ptr, s
         k = tl.load(k_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, D]
         v = tl.load(v_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
         if F16:
-            k = _to_f16(k, IS_INT8)
-            v = _to_f16(v, IS_INT8)
+            k = to_f16(k, IS_INT8)
+            v = to_f16(v, IS_INT8)
         if IEEE:
             s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
