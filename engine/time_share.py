@@ -16,7 +16,7 @@ scheduler holds one, the nominal step shape stands in for the measured speed.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
 from engine.request import Sequence
@@ -90,10 +90,13 @@ class StepCost:
 
 @dataclass(slots=True)
 class Demand:
-    """What one tenant could put into this step: decode rows and prefill tokens."""
+    """What one tenant could put into this step: decode rows and prefill tokens; and its streams, the
+    rows it will decode once its prompts are in (its rows, and its sequences still in prefill or
+    waiting)."""
 
     rows: int = 0
     prefill: int = 0
+    streams: int = 0
 
 
 class TimeShare:
@@ -142,7 +145,7 @@ class TimeShare:
         self._has_prefill = False
         busy = [k for k, d in demands.items() if d.rows or d.prefill]
         budget = self.budget_ms(is_fixed) if len(busy) > 1 else 0.0
-        self.is_active = len(busy) > 1 and self._some_rows_slowed(busy, demands, weights, budget)
+        self.is_active = len(busy) > 1 and self._some_streams_slowed(busy, demands, weights, budget)
         if not self.is_active:
             self.allow.clear()
             self.bank.clear()
@@ -157,14 +160,15 @@ class TimeShare:
         self.allow = {k: parts[k] * (1.0 - PREFILL_PART if demands[k].prefill else 1.0) for k in busy}
         self.bank = {k: min(self.bank.get(k, 0.0) + parts[k] - self.allow[k], cap) for k in busy}
 
-    def _some_rows_slowed(self, busy: list[bytes], demands: dict[bytes, Demand], weights: dict[bytes, float],
-                          budget: float) -> bool:
-        """Whether one tenant's rows fit in its weighted part of the step while another's overflow its
-        own: the one's streams would move at the pace of the other's rows. When every tenant has more
-        rows than its part (or each fits), cutting steps would protect nobody's few streams and only
-        cost tokens/s: the batch slots' shares stand alone."""
+    def _some_streams_slowed(self, busy: list[bytes], demands: dict[bytes, Demand],
+                             weights: dict[bytes, float], budget: float) -> bool:
+        """Whether one tenant's streams fit in its weighted part of the step while another's overflow
+        its own: the one's streams would move at the pace of the other's rows, or of the chunks that
+        prefill them (a flood of new prompts counts before its first row decodes). When every tenant
+        has more streams than its part (or each fits), cutting steps would protect nobody's few streams
+        and only cost tokens/s: the batch slots' shares stand alone."""
         total = sum(weights[k] for k in busy)
-        over = [self.cost_of(demands[k].rows, 0) > budget * weights[k] / total for k in busy]
+        over = [self.cost_of(demands[k].streams, 0) > budget * weights[k] / total for k in busy]
         return any(over) and not all(over)
 
     def cost_of(self, rows: int, prefill: int) -> float:
@@ -253,15 +257,16 @@ def water_fill(budget: float, wants: dict[bytes, float], weights: dict[bytes, fl
     return out
 
 
-def tenant_demand(running: Iterable[Sequence], waiting: Iterable[Sequence], max_tokens: int) -> Demand:
+def tenant_demand(running: Iterable[Sequence], waiting: Collection[Sequence], max_tokens: int) -> Demand:
     """A tenant's work for the next step: its decode rows, and its prefill tokens (running chunks, then
-    waiting prompts) up to ``max_tokens``, the step's token budget. A row whose grammar mask is late
-    sits out (``engine.grammar_masks``), so it is no demand."""
-    d = Demand()
+    waiting prompts) up to ``max_tokens``, the step's token budget; and its streams. A row whose
+    grammar mask is late sits out (``engine.grammar_masks``), so it is no demand."""
+    d = Demand(streams=len(waiting))
     for seq in running:
         left = seq.num_tokens - seq.num_computed_tokens
         if seq.is_mask_pending or left <= 0:
             continue
+        d.streams += 1
         if is_decode_row(seq, left):
             d.rows += 1
         else:

@@ -197,3 +197,21 @@ def test_a_light_tenants_new_prompts_do_not_wait_to_save_up():
     shared, slots = _b_first_token_waits(None), _b_first_token_waits(0)
     p90 = [w[int(0.9 * (len(w) - 1))] for w in (shared, slots)]
     assert len(shared) >= 50 and p90[0] <= p90[1], p90
+
+
+def test_a_flood_of_new_prompts_takes_its_part_of_the_step_not_every_step():
+    """b's 8 streams decode when a's 48 prompts arrive at once: a has no row yet, but its streams
+    overflow its part, so its prefill is paid from its part and b's streams keep a step near the target
+    (slot fairness alone prefilled a's prompts in full chunks, every step several times the target)."""
+    sim = SimEngine(num_blocks=4096, block_size=16, max_num_seqs=64, max_num_batched_tokens=512,
+                    step_time_target_ms=TARGET_MS, step_cost=cpu_cost)
+    b = [sim.add(b"b", prompt_len=256, max_tokens=400) for _ in range(8)]
+    while any(s.num_output_tokens == 0 for s in b):
+        sim.step()
+    for _ in range(48):
+        sim.add(b"a", prompt_len=256, max_tokens=128)
+    start, tokens = len(sim.step_ms), sum(s.num_output_tokens for s in b)
+    while sum(1 for s in sim.sched.ledger.tenants[b"a"].running if s.num_output_tokens) < 24:
+        sim.step()
+    b_itl = (sum(sim.step_ms[start:]) / ((sum(s.num_output_tokens for s in b) - tokens) / 8))
+    assert b_itl < 2 * TARGET_MS, b_itl
