@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+from bench.engine_label import kvgate_label
 from bench.isolated import PeerFailed, run_isolated
 from bench.workload import BenchRequest, percentile, standard_workload
 
@@ -24,14 +25,6 @@ ONE_USER = {"kvgate-1user": {}, "kvgate-1user-fp32": {"dtype": "float32"},
 # peer → EngineConfig fields: the default configuration, float32, and bfloat16 without 4-bit decode weights
 KVGATE_CONFIGS = {"kvgate": {}, "kvgate-fp32": {"dtype": "float32"},
                   "kvgate-bf16": {"dtype": "bfloat16", "int4_decode": "off"}}
-
-
-def kvgate_label(engine, overrides: dict) -> str:
-    """What an engine runs, as a table row names it: ``kvgate default (bfloat16, int4 decode)``."""
-    model = engine.loaded.model
-    what = str(engine.loaded.dtype).removeprefix("torch.") + (", int4 decode" if model.int4_max_rows else "")
-    what += ", fused decode step" if model.fused_decode else ""
-    return f"kvgate {'default ' if not overrides else ''}({what})"
 
 
 def _peak_rss_mib() -> float:

@@ -39,7 +39,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -57,7 +56,7 @@ from bench.gateway_peers import (
 )
 from bench.gateway_report import TARGET_ADDED_P50_MS, TARGET_ADDED_P99_MS, format_table, judge, print_summary
 from bench.gateway_rounds import PACED_TO, Load, measure
-from bench.gateway_servers import ROOT, GatewayServer, ServerVariant, create_tenant_key
+from bench.gateway_servers import ROOT, GatewayServer, ServerVariant, checkout_commit, create_tenant_key
 from bench.http_client import LeanHttpClient
 from gateway.cli.serve_cmds import freeze_startup_heap, unfreeze_heap
 
@@ -151,8 +150,8 @@ async def _run_levels(cfg: GatewayBenchConfig, engine: Any, tenant_id: str, api_
 
 def _describe(cfg: GatewayBenchConfig, settings: Any, engine: Any, work: list[Work]) -> dict[str, Any]:
     lengths = [len(w.prompt_ids) for w in work]
-    baseline = cfg.baseline and _commit(_checkout(cfg.baseline))
-    return {**asdict(cfg), "commit": _commit(ROOT), "baseline_commit": baseline,
+    baseline = cfg.baseline and checkout_commit(_checkout(cfg.baseline))
+    return {**asdict(cfg), "commit": checkout_commit(ROOT), "baseline_commit": baseline,
             "model_name": engine.model_name, "model_dir": settings.model,
             "database": "postgresql" if "postgresql" in settings.database_url else "sqlite",
             "prompt_tokens": {"min": min(lengths), "mean": statistics.fmean(lengths), "max": max(lengths)},
@@ -160,16 +159,6 @@ def _describe(cfg: GatewayBenchConfig, settings: Any, engine: Any, work: list[Wo
             "client": "bench.http_client.LeanHttpClient, HTTP/1.1 keep-alive (https-chat-httpx: httpx)",
             "uvicorn_loop": "uvloop" if importlib.util.find_spec("uvloop") else "asyncio",
             "uvicorn_http": "httptools" if importlib.util.find_spec("httptools") else "h11"}
-
-
-def _commit(root: Path) -> str | None:
-    """``git describe --always --dirty`` of a checkout (``None`` when git cannot tell)."""
-    try:
-        out = subprocess.run(["git", "-C", str(root), "describe", "--always", "--dirty"], capture_output=True,
-                             text=True, timeout=10, check=False).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out or None
 
 
 def _checkout(path: str | None) -> Path:

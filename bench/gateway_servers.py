@@ -69,6 +69,16 @@ async def create_tenant_key(settings: Settings) -> tuple[str, str]:
     return t.id, created.key
 
 
+def checkout_commit(root: Path) -> str | None:
+    """``git describe --always --dirty`` of a checkout (``None`` when git cannot tell)."""
+    try:
+        out = subprocess.run(["git", "-C", str(root), "describe", "--always", "--dirty"], capture_output=True,
+                             text=True, timeout=10, check=False).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out or None
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+from bench.engine_label import kvgate_label
 from bench.workload import standard_workload
 
 
@@ -25,7 +26,6 @@ def run_kvgate_one_user(overrides: dict, tokenizer, num_prompt: int = 512, num_g
     """pp``num_prompt``: a prompt of that many tokens of real text over the time to its first token; tg
     ``num_gen``: that many decode steps after a one-token prompt's first token, over their time. Means over
     ``repetitions`` after one warm-up, as llama-bench reports them."""
-    from bench.engine_bench import kvgate_label
     from engine import EngineConfig, LLMEngine
 
     engine = LLMEngine(EngineConfig(max_num_seqs=1, enable_prefix_caching=False, kv_cache_memory=1 << 30,

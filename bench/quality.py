@@ -12,6 +12,7 @@ import json
 import statistics
 from pathlib import Path
 
+from bench.engine_label import kvgate_label
 from bench.workload import standard_workload
 
 CONFIGS = {"float32": {"dtype": "float32"}, "bfloat16": {"dtype": "bfloat16", "int4_decode": "off"},
@@ -23,7 +24,6 @@ KV_CONFIGS = {"int8 KV": {"dtype": "float32", "kv_cache_dtype": "int8"},
 
 def _generate(overrides: dict, prompts: list[list[int]], new_tokens: int,
               max_num_seqs: int | None = None) -> tuple[str, list]:
-    from bench.engine_bench import kvgate_label
     from engine import EngineConfig, LLMEngine, SamplingParams
 
     rows = {} if max_num_seqs is None else {"max_num_seqs": max_num_seqs}

@@ -15,8 +15,7 @@ from pathlib import Path
 import httpx
 
 from bench import llamacpp
-from bench.gateway_bench import _commit
-from bench.gateway_servers import ROOT, GatewayServer, ServerVariant, create_tenant_key
+from bench.gateway_servers import ROOT, GatewayServer, ServerVariant, checkout_commit, create_tenant_key
 from bench.stream_client import Endpoint, Prompt, Summary, build_body, run_requests, summarize
 from bench.workload import standard_workload
 from gateway.settings import Settings
@@ -186,7 +185,7 @@ def run_serve_bench(cfg: ServeBenchConfig, out: str, servers: tuple[str, ...] = 
     tokenizer = load_tokenizer(resolve_model_dir(None))
     scenarios = make_scenarios(tokenizer, cfg)
     warmup = replace(_prompts(tokenizer, cfg, 1, cfg.seed * 1000)[0], max_tokens=8)
-    report: dict = {"config": asdict(cfg), "commit": _commit(ROOT), "date": time.strftime("%Y-%m-%d"),
+    report: dict = {"config": asdict(cfg), "commit": checkout_commit(ROOT), "date": time.strftime("%Y-%m-%d"),
                     "servers": {}, "rows": []}
     rows: list[Summary] = []
     if "kvgate" in servers:

@@ -14,13 +14,10 @@ import sys
 from pathlib import Path
 
 from bench.engine_bench import run_in_subprocess, run_kvgate
+from bench.structured_specs import SCHEMA, run_spec_rows, spec_table
 from bench.workload import standard_workload
 
 VARIANTS = ("none", "json_schema", "penalties")
-SCHEMA = {"type": "array", "minItems": 64, "items": {
-    "type": "object", "additionalProperties": False, "required": ["name", "score", "tags"],
-    "properties": {"name": {"type": "string", "maxLength": 40}, "score": {"type": "integer"},
-                   "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}}}}}
 
 
 def sampling_for(variant: str) -> dict:
@@ -62,8 +59,6 @@ def run_structured_bench(num_requests: int, out: str, variants: list[str], seed:
                          specs: list[str] | None = None) -> list[dict]:
     """Each variant in its own subprocess, in turn; the table and the JSON compare each with ``none``.
     Then the rows of ``specs`` (``bench.structured_specs``), in this process, in a table of their own."""
-    from bench.structured_specs import run_spec_rows, spec_table
-
     results = [run_in_subprocess("bench.structured_bench", v, num_requests, seed) for v in variants]
     spec_rows = run_spec_rows(specs, seed) if specs else []
     base = next((r for r in results if r.get("variant") == "none"), None)

@@ -15,7 +15,12 @@ import random
 import time
 from typing import Any
 
-from bench.structured_bench import SCHEMA
+# The schema of the throughput bench's json_schema variant and of the friendly json_schema spec: its array
+# needs more items than any request has tokens for, so no grammar ends a request early.
+SCHEMA = {"type": "array", "minItems": 64, "items": {
+    "type": "object", "additionalProperties": False, "required": ["name", "score", "tags"],
+    "properties": {"name": {"type": "string", "maxLength": 40}, "score": {"type": "integer"},
+                   "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}}}}}
 
 _TOOL_PROPS = {f"p{j:04d}": {"type": "string", "maxLength": 8} for j in range(1500)}  # ~63 KiB of schema
 # (name, kind, the request fields that carry it): the first are what applications send.

@@ -26,11 +26,18 @@ from typing import Any
 
 import orjson
 
-from bench.gateway_bench import _commit, run_in_data_dir
+from bench.gateway_bench import run_in_data_dir
 from bench.gateway_peers import Peer, Work, chat_call, make_work
 from bench.gateway_report import format_table
 from bench.gateway_rounds import Load, measure
-from bench.gateway_servers import BENCH_POLICY, ROOT, GatewayServer, ServerVariant, create_tenant_key
+from bench.gateway_servers import (
+    BENCH_POLICY,
+    ROOT,
+    GatewayServer,
+    ServerVariant,
+    checkout_commit,
+    create_tenant_key,
+)
 from bench.http_client import LeanHttpClient
 
 ROUTE = "upstream-model"  # the front gateway's name for the routed model
@@ -172,7 +179,7 @@ def _run(cfg: UpstreamBenchConfig, root: Path) -> dict[str, Any]:
     finally:
         front.stop()
         up.stop()
-    config = {**asdict(cfg), "commit": _commit(ROOT), "model_name": model_name, "max_tokens": 1,
+    config = {**asdict(cfg), "commit": checkout_commit(ROOT), "model_name": model_name, "max_tokens": 1,
               "cpu_count": os.cpu_count(), "load_average": os.getloadavg(), "upstream_kind": "kvgate",
               "dtype": "float32", "client": "bench.http_client.LeanHttpClient, HTTP/1.1 keep-alive"}
     return {"config": config, "results": rows}
