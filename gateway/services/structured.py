@@ -120,13 +120,33 @@ def constraint(req: ChatCompletionRequest | CompletionRequest, policy: Policy, c
     for i, tool in enumerate(getattr(req, "tools", None) or []):
         _check_metaschema(parameters(tool), f"tools.{i}.function.parameters")
     features = tuple(dict.fromkeys(u.feature for u in uses))
+    structured, param = _engine_constraint(req, mode, sources, cache_key)
+    return Constraint(structured, param, mode, features)
+
+
+def requested_output(req: ChatCompletionRequest | CompletionRequest) -> StructuredOutput | None:
+    """The engine's constraint for ``req`` as ``constraint`` builds it, without the policy's checks:
+    ``kvgate replay`` rebuilds a recorded request's from its body.
+
+    Raises:
+        InvalidRequest: Bad tools, or a spec the engine refuses.
+    """
+    sources = _sources(req)
+    mode = tool_mode(req) if isinstance(req, ChatCompletionRequest) else None
+    return _engine_constraint(req, mode, sources, "")[0]
+
+
+def _engine_constraint(
+    req: ChatCompletionRequest | CompletionRequest, mode: ToolMode | None, sources: list, cache_key: str
+) -> tuple[StructuredOutput | None, str | None]:
+    """The constraint a forced tool call or the one structured output asks for, and its param."""
     if mode is not None and mode.is_forced:
         schema = orjson.dumps(forcing_schema(req, mode)).decode()  # type: ignore[arg-type]
-        return Constraint(_structured({"json_schema": schema}, cache_key), "tool_choice", mode, features)
+        return _structured({"json_schema": schema}, cache_key), "tool_choice"
     if not sources:
-        return Constraint(None, None, mode, features)
+        return None, None
     _, param, spec = sources[0]
-    return Constraint(_structured(spec, cache_key, param), param, mode, features)
+    return _structured(spec, cache_key, param), param
 
 
 def _json_schema(req: ChatCompletionRequest | CompletionRequest, param: str) -> Any:
