@@ -1,13 +1,18 @@
-"""Tiny randomly initialised Llama-family checkpoints for fast tests (real tokenizer, random weights)."""
+"""Tiny randomly initialised Llama-family checkpoints for fast tests (real tokenizer, random weights), and
+loaded weights reused under another KV pool."""
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 from pathlib import Path
 
 import torch
 
+from engine.config import EngineConfig
+from engine.kv_alloc import allocate_kv_caches, kv_dtype
 from engine.loader import resolve_model_dir
+from engine.setup import LoadedModel
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                     "chat_template.jinja")
@@ -52,3 +57,16 @@ def make_tiny_model_dir(path: str | Path, arch: str = "llama", *, num_heads: int
         if (source / name).is_file():
             shutil.copy(source / name, path / name)
     return path
+
+
+def with_kv_pool(loaded: LoadedModel, config: EngineConfig) -> LoadedModel:
+    """``loaded``'s weights and tokenizer with a zeroed pool of ``config.num_kv_blocks`` blocks of its own
+    (and the null block), as ``load_model(config)`` would give them without loading the weights again.
+    ``config`` must load the same weights: the same model, dtype and 4-bit options."""
+    if config.num_kv_blocks is None:
+        raise ValueError("with_kv_pool needs config.num_kv_blocks")
+    mc = loaded.model_config
+    shape = (config.num_kv_blocks + 1, config.block_size, mc.num_kv_heads, mc.head_dim)
+    caches = allocate_kv_caches(config, shape, mc.num_layers, kv_dtype(config, loaded.dtype, loaded.device),
+                                loaded.dtype, loaded.device)
+    return dataclasses.replace(loaded, kv_caches=caches, num_blocks=config.num_kv_blocks)

@@ -12,6 +12,8 @@ import torch
 
 from engine import EngineConfig, InvalidRequestError, LLMEngine, SamplingParams, StructuredOutput
 from engine.replay import StreamItem, run_stream
+from engine.setup import load_model
+from engine.testing import with_kv_pool
 from tests.engine.determinism_harness import Observation, load_items, random_prompt, run_alone, run_with_load
 
 # Three engines that batch the same request differently: whole-prompt prefill with a warm prefix cache,
@@ -80,8 +82,13 @@ def test_fast_mode_differences_are_visible_to_the_harness(tiny_engine_factory):
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_batch_invariant_default_model_10_runs_under_load(default_model_dir):
+    # Every engine has a fresh pool of its layout's size on weights loaded once: the layouts share the
+    # default model's dtype and 4-bit copies, and each load took seconds of this test on 2 cores.
+    loaded = load_model(EngineConfig(model=str(default_model_dir), num_kv_blocks=8))
+
     def make(**layout):
-        return LLMEngine(EngineConfig(model=str(default_model_dir), **layout))
+        config = EngineConfig(model=str(default_model_dir), **layout)
+        return LLMEngine(config, loaded=with_kv_pool(loaded, config))
 
     prompt, params = random_prompt(random.Random(3), 90), _greedy("batch_invariant", 10)
     ref, seen = _invariance_trials(make, prompt, params, 3, max_requests=4, max_prompt=80, max_tokens=6)
