@@ -11,11 +11,12 @@ from engine.errors import (
     StructuredOutputError,
 )
 from engine.fair import TenantShare
+from engine.protocol import EngineClient, EngineRequest
 from engine.request import CompletionOutput, RequestMetrics, RequestOutput, SamplingParams, TokenLogprobs
 from engine.stats import EngineStats
 from engine.structured import StructuredOutput
 
-__all__ = ["AsyncLLMEngine", "CompletionOutput", "EngineConfig", "EngineStats", "InvalidRequestError",
-           "InvalidSamplingParamsError", "LLMEngine", "ModelLoadError", "PromptTooLongError",
-           "RequestMetrics", "RequestOutput", "SamplingParams", "StructuredOutput", "StructuredOutputError",
-           "TenantShare", "TokenLogprobs"]
+__all__ = ["AsyncLLMEngine", "CompletionOutput", "EngineClient", "EngineConfig", "EngineRequest",
+           "EngineStats", "InvalidRequestError", "InvalidSamplingParamsError", "LLMEngine", "ModelLoadError",
+           "PromptTooLongError", "RequestMetrics", "RequestOutput", "SamplingParams", "StructuredOutput",
+           "StructuredOutputError", "TenantShare", "TokenLogprobs"]

@@ -13,6 +13,7 @@ from engine.config import EngineConfig
 from engine.core import LLMEngine
 from engine.errors import EngineUnavailableError
 from engine.fair import TenantShare
+from engine.protocol import EngineRequest
 from engine.request import RequestDelta, RequestOutput, SamplingParams
 from engine.stats import EngineStats
 from engine.step_guard import StepGuard
@@ -67,9 +68,14 @@ class StreamingFront:
     """``generate`` for async engine fronts: each request's deltas arrive on a ``RequestStream`` that the
     front fills from wherever its engine runs (``_submit`` starts a request, ``abort`` ends one early)."""
 
-    async def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
-                       request_id: str | None = None, *, cache_namespace: bytes = b"",
-                       priority: int = 0, share: TenantShare | None = None) -> AsyncIterator[RequestOutput]:
+    def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+                 request_id: str | None = None, *, cache_namespace: bytes = b"",
+                 priority: int = 0, share: TenantShare | None = None) -> AsyncIterator[RequestOutput]:
+        """``submit`` of an ``EngineRequest`` of these fields (a fresh id when ``request_id`` is None)."""
+        return self.submit(EngineRequest(request_id or uuid.uuid4().hex, prompt, params or SamplingParams(),
+                                         cache_namespace, priority, share))
+
+    async def submit(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         """Submit a request and yield its outputs until it finishes; each output's ``new_*`` fields hold
         everything since the previous one (several engine steps' worth when the caller fell behind).
 
@@ -77,11 +83,11 @@ class StreamingFront:
             InvalidRequestError: On bad input, before anything is yielded.
             EngineUnavailableError: The engine is not running, or died while serving the request.
         """
-        request_id = request_id or uuid.uuid4().hex
+        request_id = request.request_id
         stream = RequestStream(asyncio.get_running_loop(), request_id)
         # The engine's validation error, if any, comes back as the stream's first item: no separate
         # acknowledgement (one wake-up of this loop less per request, in the middle of its first step).
-        self._submit(request_id, stream, (prompt, params, cache_namespace, priority, share))
+        self._submit(stream, request)
         finished = False
         try:
             while not finished:
@@ -93,7 +99,7 @@ class StreamingFront:
             if not finished:
                 self.abort(request_id)
 
-    def _submit(self, request_id: str, stream: RequestStream, request: tuple) -> None:
+    def _submit(self, stream: RequestStream, request: EngineRequest) -> None:
         raise NotImplementedError
 
     def _forget(self, request_id: str) -> None:
@@ -149,10 +155,10 @@ class AsyncLLMEngine(StreamingFront):
         breakdown (``engine.stats()`` has it, from the loop thread)."""
         return self._stats
 
-    def _submit(self, request_id: str, stream: RequestStream, request: tuple) -> None:
+    def _submit(self, stream: RequestStream, request: EngineRequest) -> None:
         if not self.is_running:
             raise EngineUnavailableError("engine loop is not running (call start())") from self.error
-        self._commands.put(("add", request_id, *request, stream))
+        self._commands.put(("add", request, stream))
 
     def abort(self, request_id: str) -> None:
         """Abort a request from any thread; its blocks are freed on the loop's next turn."""
@@ -161,14 +167,13 @@ class AsyncLLMEngine(StreamingFront):
     # ---- loop thread ----------------------------------------------------------------------------
     def _handle(self, cmd: tuple) -> None:
         if cmd[0] == "add":
-            _, request_id, prompt, params, namespace, priority, share, stream = cmd
+            _, request, stream = cmd
             try:
-                self.engine.add_request(prompt, params, request_id, cache_namespace=namespace,
-                                        priority=priority, share=share)
+                self.engine.add(request)
             except Exception as e:  # validation errors go back to the caller
                 stream.put(e)
                 return
-            self._streams[request_id] = stream
+            self._streams[request.request_id] = stream
         elif cmd[0] == "abort":
             out = self.engine.abort_delta(cmd[1])
             stream = self._streams.pop(cmd[1], None)

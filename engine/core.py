@@ -21,6 +21,7 @@ from engine.kv_cache_manager import KVCacheManager
 from engine.model_runner import ModelRunner
 from engine.outputs import RequestState
 from engine.overlap import SampledStep, StepOverlap
+from engine.protocol import ENGINE_REQUEST_VERSION, EngineRequest
 from engine.request import RequestDelta, RequestOutput, RequestStatus, SamplingParams, Sequence
 from engine.request_checks import RESERVED_NS, check_add_args, fitted_length, tokenize_prompt
 from engine.scheduler import Scheduler
@@ -74,6 +75,20 @@ class LLMEngine(WholeOutputs):
                                                      eos_token_ids=self.loaded.eos_token_ids), self.masks)
 
     # ---- requests -------------------------------------------------------------------------------
+    def add(self, request: EngineRequest) -> str:
+        """Queue ``request`` (``add_request`` of its fields).
+
+        Raises:
+            InvalidRequestError: ``add_request``'s, and a request of another ``EngineRequest`` version.
+            PromptTooLongError: ``add_request``'s.
+        """
+        if request.version != ENGINE_REQUEST_VERSION:
+            raise InvalidRequestError(f"engine request version {request.version}; this engine reads "
+                                      f"version {ENGINE_REQUEST_VERSION}")
+        return self.add_request(request.prompt, request.params, request.request_id,
+                                cache_namespace=request.cache_namespace, priority=request.priority,
+                                share=request.share)
+
     def add_request(self, prompt: str | Seq[int], params: SamplingParams | None = None,
                     request_id: str | None = None, *, cache_namespace: bytes = b"", priority: int = 0,
                     arrival_time: float | None = None, share: TenantShare | None = None) -> str:

@@ -26,6 +26,7 @@ from engine.client import RequestStream, StreamingFront
 from engine.config import EngineConfig
 from engine.errors import EngineUnavailableError
 from engine.process_child import DeterminismSummary, EngineChild, Ready
+from engine.protocol import EngineRequest
 from engine.request import RequestDelta
 from engine.stats import EngineStats
 
@@ -136,11 +137,12 @@ class ProcessLLMEngine(StreamingFront):
         """The snapshot the child sent with its latest step (without the per-namespace breakdown)."""
         return self._stats
 
-    def _submit(self, request_id: str, stream: RequestStream, request: tuple) -> None:
+    def _submit(self, stream: RequestStream, request: EngineRequest) -> None:
+        request_id = request.request_id
         self._streams[request_id] = stream  # before the death check: a sweep after it reaches this one
         # Not ``is_running``: its waitpid() is a syscall per request, and a dead child fails the send
         # or, sent just before, the sweep ``_lose`` makes.
-        if not self._is_serving or not self._send(("add", request_id, *request)):
+        if not self._is_serving or not self._send(("add", request)):
             self._streams.pop(request_id, None)
             raise EngineUnavailableError("the engine process is not running") from self.error
 

@@ -221,12 +221,11 @@ def _serve(engine: Any, commands: FrameReader, out: FrameWriter, trimmer: HeapTr
 def _handle(engine: Any, cmd: tuple, deltas: list) -> bool:
     """Apply one command; whether the engine's state changed."""
     if cmd[0] == "add":
-        _, request_id, prompt, params, namespace, priority, share = cmd
+        request = cmd[1]
         try:
-            engine.add_request(prompt, params, request_id, cache_namespace=namespace, priority=priority,
-                               share=share)
+            engine.add(request)
         except Exception as e:  # noqa: BLE001  (validation errors go back to the caller)
-            deltas.append((request_id, _portable(e)))
+            deltas.append((request.request_id, _portable(e)))
             return False
         return True
     delta = engine.abort_delta(cmd[1])  # "abort"

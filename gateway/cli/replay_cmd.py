@@ -32,16 +32,20 @@ _HELP = "\n\n".join(
         "Give the prompt exactly as sent: --prompt-file for /v1/completions (the file's bytes as UTF-8, "
         "a trailing newline included; with --token-ids a JSON array of token ids), --messages-file for "
         '/v1/chat/completions (a JSON list of messages, or a request body with "messages"); the chat '
-        "template is applied exactly as the gateway does. The request runs alone in a local engine built "
+        "template is applied exactly as the gateway does. A request with a structured output "
+        "(response_format, guided_*) or tools needs its request body as sent, with --request-file (a chat's "
+        "--messages-file may be that body): its tools reach the template and its constraint is checked "
+        "against the recorded keyed hash. The request runs alone in a local engine built "
         "from the same settings as `kvgate serve` (--model, --dtype, --device, KVGATE_* variables) with the "
         "recorded parameters, seed and mode.",
         "Only fixed and batch_invariant requests carry token hashes to check. batch_invariant reproduces "
         f"whatever else ran beside it; {_FIXED_LIMIT}",
         f"Exit codes: {EXIT_MATCH} reproduced (prompt, system fingerprint and every choice's token hash "
         f"match); {EXIT_OUTPUT_DIFFERS} the output differs; {EXIT_CANNOT_REPLAY} cannot replay (unknown "
-        f"record, fast mode, aborted request, bad input); {EXIT_PROMPT_DIFFERS} the prompt does not match "
-        f"the recorded hash (nothing is run); {EXIT_OTHER_SYSTEM} the output matches but the system "
-        "fingerprint differs (other weights, tokenizer, engine version, dtype or kernel settings).",
+        f"record, fast mode, aborted request, bad input); {EXIT_PROMPT_DIFFERS} the prompt or the "
+        "structured output does not match the recorded hash (nothing is run); "
+        f"{EXIT_OTHER_SYSTEM} the output matches but the system fingerprint differs (other weights, "
+        "tokenizer, engine version, dtype or kernel settings).",
     ]
 )
 
@@ -50,19 +54,25 @@ class ReplayError(Exception):
     """The request cannot be replayed; the message says why."""
 
 
+# request.admitted's feature names whose parameters receipts before version 2 did not record.
+_UNRECORDED_BEFORE_V2 = frozenset({"json_schema", "json_object", "regex", "choice", "grammar", "tools",
+                                   "logit_bias", "penalties"})
+
+
 @dataclass(frozen=True, slots=True)
 class _Record:
     event_id: str
     request_id: str
     data: dict[str, Any]
+    features: tuple[str, ...] = ()  # request.admitted's
 
 
 async def _find_record(db_url: str, ref: str) -> _Record:
     """The ``request.finished`` event of the request ``ref`` names (a request id or any event id of it)."""
     import orjson
-    from sqlalchemy import exc, or_, select
+    from sqlalchemy import bindparam, exc, or_, select
 
-    from audit.events import REQUEST_FINISHED
+    from audit.events import REQUEST_ADMITTED, REQUEST_FINISHED
     from audit.store import make_audit_engine
     from audit.tables import audit_events as ev
 
@@ -73,48 +83,73 @@ async def _find_record(db_url: str, ref: str) -> _Record:
         .order_by(ev.c.seq.desc())
         .limit(1)
     )
+    admitted_data = None
+    admitted = select(ev.c.data).where(ev.c.name == REQUEST_ADMITTED, ev.c.request_id == bindparam("rid"))
     engine = make_audit_engine(db_url)
     try:
         async with engine.connect() as conn:
             row = (await conn.execute(query)).first()
+            if row is not None:
+                admitted_data = (await conn.execute(admitted, {"rid": row.request_id})).scalar()
     except exc.SQLAlchemyError as e:
         raise ReplayError(f"cannot read the audit trail: {type(e).__name__}") from None
     finally:
         await engine.dispose()
     if row is None:
         raise ReplayError(f"no finished request {ref!r} in the audit trail (request id or event id)")
-    return _Record(row.event_id, row.request_id, orjson.loads(row.data))
+    features = () if admitted_data is None else tuple(orjson.loads(admitted_data).get("features") or ())
+    return _Record(row.event_id, row.request_id, orjson.loads(row.data), features)
 
 
 def _receipt(record: _Record) -> Receipt:
     from gateway.services.receipts import Receipt
 
-    try:
-        receipt = Receipt.from_fields(record.data)
-    except (ValueError, TypeError) as e:
-        raise ReplayError(f"request {record.request_id} cannot be replayed: {e}") from None
-    if receipt.determinism == "fast" or not receipt.token_hashes:
+    data = record.data
+    # Checked on the record as stored: a prompt that is a mode's name is scrubbed from the record's words.
+    if data.get("kind") is not None and (data.get("determinism") == "fast" or not data.get("token_hashes")):
         raise ReplayError(
             "fast mode records no token hash, so there is nothing to check (fast promises "
             "only seeded sampling); ask for fixed or batch_invariant to get a receipt"
         )
-    if record.data.get("is_aborted"):
+    try:
+        receipt = Receipt.from_fields(data)
+    except (ValueError, TypeError) as e:
+        raise ReplayError(f"request {record.request_id} cannot be replayed: {e}") from None
+    if data.get("is_aborted"):
         raise ReplayError("the request was aborted before it finished; its partial output cannot be replayed")
     if receipt.prompt_hash is None:
         raise ReplayError(
             "the record has no keyed prompt hash (the audit store was off), so the prompt cannot be checked"
         )
-    if receipt.temperature > 0 and receipt.seed is None:
+    unrecorded = sorted(_UNRECORDED_BEFORE_V2.intersection(record.features))
+    if receipt.version < 2 and unrecorded:
+        raise ReplayError(
+            f"the request used {', '.join(unrecorded)}, whose parameters its receipt does not hold (recorded "
+            "before receipts held penalties, logit_bias, min_tokens, ignore_eos and structured outputs)"
+        )
+    if receipt.params.temperature > 0 and receipt.params.seed is None:
         raise ReplayError(
             "the request sampled without a recorded seed; only greedy or seeded requests replay"
         )
     return receipt
 
 
-def _read_prompt(
-    receipt: Receipt, prompt_file: Path | None, messages_file: Path | None, token_ids: bool
+def _read(path: Path, as_json: bool) -> Any:
+    """A file's text (its bytes as UTF-8: text mode would rewrite \r\n), or the JSON it holds."""
+    try:
+        raw = path.read_bytes().decode("utf-8")
+        return json.loads(raw) if as_json else raw
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        detail = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ReplayError(f"cannot read {path}: {detail}") from None
+
+
+def _read_request(
+    receipt: Receipt, prompt_file: Path | None, messages_file: Path | None, request_file: Path | None,
+    token_ids: bool,
 ) -> Any:
-    """The request the caller sent, rebuilt from the files through the API's own schemas."""
+    """The request the caller sent, rebuilt from the files through the API's own schemas: the prompt
+    from its file, the rest (structured output, tools) from the request body, if one is given."""
     from pydantic import ValidationError
 
     from gateway.schemas.openai import ChatCompletionRequest, CompletionRequest
@@ -125,16 +160,52 @@ def _read_prompt(
     if given is None or (prompt_file is not None and messages_file is not None):
         endpoint = "a chat completion" if receipt.kind == "chat" else "a text completion"
         raise ReplayError(f"the recorded request was {endpoint}: give its prompt with {want} (only)")
+    body = {} if request_file is None else _read(request_file, as_json=True)
     try:
-        raw = given.read_bytes().decode("utf-8")  # bytes: text mode would rewrite \r\n
         if receipt.kind == "chat":
-            data = json.loads(raw)
+            data = _read(given, as_json=True)
             messages = data.get("messages") if isinstance(data, dict) else data
-            return ChatCompletionRequest(model=receipt.model, messages=messages)
-        return CompletionRequest(model=receipt.model, prompt=json.loads(raw) if token_ids else raw)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, ValidationError) as e:
+            if isinstance(data, dict) and request_file is None:
+                body = data
+            body = body | {"messages": messages}
+            return ChatCompletionRequest.model_validate(body | {"model": receipt.model})
+        prompt = _read(given, as_json=token_ids)
+        return CompletionRequest.model_validate(body | {"model": receipt.model, "prompt": prompt})
+    except (ValidationError, TypeError) as e:
         detail = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise ReplayError(f"cannot read the prompt from {given}: {detail}") from None
+        raise ReplayError(f"cannot read the request from {request_file or given}: {detail}") from None
+
+
+def _structured(data_dir: Path, receipt: Receipt, request: Any, has_body: bool) -> Any:
+    """The request's structured output, rebuilt from its body, once it matches the recorded hash.
+
+    Raises:
+        ReplayError: The record names one but no body was given, or the body cannot be read.
+        typer.Exit: It differs from the recorded one (nothing is run).
+    """
+    from gateway.errors import GatewayError
+    from gateway.services.structured import requested_output
+
+    try:
+        structured = requested_output(request)
+    except GatewayError as e:
+        raise ReplayError(e.message) from None
+    if structured is None and receipt.structured_kind is None:
+        return None
+    if structured is None and not has_body:
+        raise ReplayError(
+            f"the recorded request had a {receipt.structured_kind} structured output: give its request "
+            "body with --request-file (a chat's --messages-file may be that body)"
+        )
+    if structured is not None and receipt.version < 2:
+        raise ReplayError("the request's receipt was recorded before receipts held structured outputs")
+    from gateway.services.receipts import structured_hash
+
+    if structured is None or structured_hash(_audit_keys(data_dir), structured) != receipt.structured_hash:
+        typer.echo("structured output: DIFFERS from the recorded keyed hash; not run")
+        raise typer.Exit(EXIT_PROMPT_DIFFERS)
+    typer.echo(f"structured output: {structured.kind} matches the recorded keyed hash")
+    return structured
 
 
 def _prompt_ids(settings: Any, request: Any) -> list[int]:
@@ -152,16 +223,26 @@ def _prompt_ids(settings: Any, request: Any) -> list[int]:
         raise ReplayError(e.message) from None
 
 
-def _prompt_hash(data_dir: Path, prompt_ids: list[int]) -> str:
+def _is_body(messages_file: Path | None) -> bool:
+    """Whether a chat's messages file is a request body (an object) rather than a list of messages."""
+    return messages_file is not None and messages_file.read_bytes().lstrip()[:1] == b"{"
+
+
+def _audit_keys(data_dir: Path) -> Any:
     from audit.keys import CHAIN_KEY_FILE, load_or_create_keys
-    from gateway.services.receipts import prompt_ids_hash
 
     if not (data_dir / CHAIN_KEY_FILE).is_file():  # never create keys here: the hash could not match
         raise ReplayError(f"no audit keys in {data_dir}: give the gateway's --data-dir")
-    return prompt_ids_hash(load_or_create_keys(data_dir), prompt_ids)
+    return load_or_create_keys(data_dir)
 
 
-def _run(settings: Any, receipt: Receipt, prompt_ids: list[int]) -> Any:
+def _prompt_hash(data_dir: Path, prompt_ids: list[int]) -> str:
+    from gateway.services.receipts import prompt_ids_hash
+
+    return prompt_ids_hash(_audit_keys(data_dir), prompt_ids)
+
+
+def _run(settings: Any, receipt: Receipt, prompt_ids: list[int], structured: Any) -> Any:
     """The request, alone, in a fresh engine built like the server's."""
     from engine import LLMEngine
     from engine.replay import StreamItem, run_stream
@@ -173,7 +254,7 @@ def _run(settings: Any, receipt: Receipt, prompt_ids: list[int]) -> Any:
         engine = LLMEngine(config)
         if engine.model_name != receipt.model:
             typer.echo(f"warning: recorded model {receipt.model!r}, replaying on {engine.model_name!r}")
-        item = StreamItem(0, "replay", prompt_ids, receipt.sampling_params())
+        item = StreamItem(0, "replay", prompt_ids, receipt.sampling_params(structured))
         return run_stream(engine, [item])["replay"], engine.determinism.fingerprints[receipt.determinism]
     except ValueError as e:  # InvalidRequestError, PromptTooLongError, ModelLoadError, bad settings
         raise ReplayError(f"the engine refused the replay: {e}") from None
@@ -219,6 +300,9 @@ def replay_cmd(
         Path | None, typer.Option(help="JSON messages of a /v1/chat/completions request.")
     ] = None,
     token_ids: Annotated[bool, typer.Option(help="--prompt-file holds a JSON array of token ids.")] = False,
+    request_file: Annotated[
+        Path | None, typer.Option(help="The request body as sent (JSON): its structured output and tools.")
+    ] = None,
     data_dir: DataDirOpt = None,
     db_url: DbUrlOpt = None,
     model: Annotated[str | None, typer.Option(help="Model dir or GGUF, as served (KVGATE_MODEL).")] = None,
@@ -236,14 +320,17 @@ def replay_cmd(
         receipt = _receipt(rec)
         typer.echo(
             f"request {rec.request_id} (event {rec.event_id}): {receipt.kind}, {receipt.determinism}, "
-            f"{receipt.num_choices} choice(s), max_tokens {receipt.max_tokens}"
+            f"{receipt.params.n} choice(s), max_tokens {receipt.params.max_tokens}"
         )
-        prompt_ids = _prompt_ids(settings, _read_prompt(receipt, prompt_file, messages_file, token_ids))
+        request = _read_request(receipt, prompt_file, messages_file, request_file, token_ids)
+        prompt_ids = _prompt_ids(settings, request)
         if _prompt_hash(settings.data_dir, prompt_ids) != receipt.prompt_hash:
             typer.echo(f"prompt: DIFFERS from the recorded keyed hash ({len(prompt_ids)} tokens); not run")
             raise typer.Exit(EXIT_PROMPT_DIFFERS)
         typer.echo(f"prompt: matches the recorded keyed hash ({len(prompt_ids)} tokens)")
-        out, fingerprint = _run(settings, receipt, prompt_ids)
+        has_body = request_file is not None or (receipt.kind == "chat" and _is_body(messages_file))
+        structured = _structured(settings.data_dir, receipt, request, has_body)
+        out, fingerprint = _run(settings, receipt, prompt_ids, structured)
     except ReplayError as e:
         typer.echo(f"cannot replay: {e}", err=True)
         raise typer.Exit(EXIT_CANNOT_REPLAY) from None

@@ -9,6 +9,7 @@ from typing import Any, TypeVar
 import structlog
 from litestar.types import Receive
 
+from engine import EngineRequest
 from engine.errors import InvalidRequestError, RequestFailedError, StructuredOutputError
 from gateway import openai_format as fmt
 from gateway.asgi_io import StreamReply, WholeReply, unless_client_leaves
@@ -49,14 +50,8 @@ class Backend:
 
 
 def _start(rt: Runtime, adm: Admission) -> AsyncGenerator[Any, None]:
-    return rt.engine.generate(
-        adm.prompt_token_ids,
-        adm.params,
-        adm.request_id,
-        cache_namespace=adm.cache_namespace,
-        priority=adm.priority,
-        share=adm.share,
-    )
+    return rt.engine.submit(EngineRequest(adm.request_id, adm.prompt_token_ids, adm.params,
+                                          adm.cache_namespace, adm.priority, adm.share))
 
 
 async def _first(rt: Runtime, adm: Admission, progress: Progress) -> tuple[AsyncGenerator[Any, None], Any]:

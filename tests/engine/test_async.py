@@ -80,3 +80,20 @@ async def test_invalid_request_raises_before_streaming(async_engine):
     async for out in async_engine.generate("still serving", SamplingParams(temperature=0, max_tokens=2)):
         final = out
     assert final.finished
+
+
+async def test_an_engine_request_carries_every_field_and_its_version_is_checked(async_engine):
+    """``submit`` takes the ``EngineRequest`` whole (what the gateway sends), and an engine refuses a
+    request of another version rather than reading its fields wrongly."""
+    from dataclasses import replace
+
+    from engine import EngineClient, EngineRequest, TenantShare
+
+    assert isinstance(async_engine, EngineClient)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    request = EngineRequest("r1", [100, 200, 300], params, b"ns", 2, TenantShare(b"t", 2.0))
+    outs = [out async for out in async_engine.submit(request)]
+    assert outs[-1].finished and outs[-1].request_id == "r1" and len(outs[-1].token_ids) == 4
+    with pytest.raises(InvalidRequestError, match="version"):
+        async for _ in async_engine.submit(replace(request, request_id="r2", version=0)):
+            pass
