@@ -14,11 +14,11 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 from typer.testing import CliRunner
 
-from gateway.cli import app
 from gateway.cli.docs_cmds import configuration_markdown
 from gateway.guards import ADMIN_ROUTE_SCOPES
 from gateway.settings import Settings
 from gateway.settings_doc import REGENERATE, render_configuration, undocumented_fields
+from kvgate.cli import app
 from policies import Policy
 
 ROOT = Path(__file__).resolve().parents[1]

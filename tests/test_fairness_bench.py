@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 from bench.fairness import FairnessConfig, format_table, parse_busy, run_fairness
 from bench.fairness_engines import default_step_time_target, engine_variants, parse_step_time_targets
 from bench.fairness_report import format_busy_verdict
-from gateway.cli import app
+from kvgate.cli import app
 
 # Half a second of B alone warms a new engine's kernels for these shapes (the figures are not judged
 # here); the phases stay long enough for B's requests to start within each judged window.

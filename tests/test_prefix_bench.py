@@ -37,8 +37,7 @@ def test_each_configuration_reports_consistent_figures(spec):
 def test_cli_writes_json(spec, tmp_path):
     from typer.testing import CliRunner
 
-    import gateway.cli.bench_prefix_cmd  # noqa: F401  (registers `bench prefix`)
-    from gateway.cli import app
+    from kvgate.cli import app
 
     out = tmp_path / "prefix.json"
     result = CliRunner().invoke(app, ["bench", "prefix", "--num-requests", "2", "--system-tokens", "40",

@@ -27,7 +27,7 @@ def test_compare_counts_divergences_errors_and_near_ties():
 def test_a_negative_row_limit_is_refused_before_any_engine_starts():
     from typer.testing import CliRunner
 
-    from gateway.cli import app
+    from kvgate.cli import app
 
     result = CliRunner().invoke(app, ["bench", "quality", "--max-num-seqs", "-1"])
     assert result.exit_code == 2 and "max-num-seqs" in result.output

@@ -19,7 +19,7 @@ def test_a_spec_the_gateway_refuses_has_its_400_and_no_masks(default_model_dir):
 def test_cli_writes_the_rows_of_the_named_specs(tmp_path):
     from typer.testing import CliRunner
 
-    from gateway.cli import app
+    from kvgate.cli import app
 
     out = tmp_path / "structured.json"
     r = CliRunner().invoke(app, ["bench", "structured", "--variants", "", "--specs", "choice,regex_sentence",

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import typer
 
-from gateway.cli.bench_cmds import bench_app
+from bench.cli.commands import bench_app
 
 
 @bench_app.command("audit")

@@ -4,11 +4,8 @@ from __future__ import annotations
 
 import typer
 
-from gateway.cli import app
-
 bench_app = typer.Typer(help="Benchmarks: JSON results plus a table; peers measured in the same run.",
                         no_args_is_help=True)
-app.add_typer(bench_app, name="bench")
 
 
 @bench_app.command("engine")

@@ -6,11 +6,11 @@ from typing import Annotated
 
 import typer
 
-from gateway.cli.bench_cmds import bench_app
+from bench.cli.commands import bench_app
 
 # bench.gateway_bench.PEERS, spelled out so `kvgate --help` need not import the harness
-_ALL_PEERS = ",".join(("engine", "engine-paced", "https-chat", "https-chat-httpx", "https-chat-nosync",
-                       "https-chat-noaudit", "http-chat", "https-models", "https-healthz", "disk-fsync"))
+ALL_PEERS = ",".join(("engine", "engine-paced", "https-chat", "https-chat-httpx", "https-chat-nosync",
+                      "https-chat-noaudit", "http-chat", "https-models", "https-healthz", "disk-fsync"))
 _ModelOpt = typer.Option(help="tiny (random weights, real tokenizer), default, or a model path.")
 
 
@@ -23,7 +23,7 @@ def bench_gateway(
         "Comma list of open-loop arrival rates (requests/s, Poisson, the same arrivals for every peer), "
         "measured after the closed loops; e.g. 50,100."))] = "",
     rounds: Annotated[int, typer.Option(help="Peers are interleaved in this many rounds.")] = 4,
-    peers: Annotated[str, typer.Option(help=f"Comma list of {_ALL_PEERS}; engine always runs.")] = _ALL_PEERS,
+    peers: Annotated[str, typer.Option(help=f"Comma list of {ALL_PEERS}; engine always runs.")] = ALL_PEERS,
     model: Annotated[str, _ModelOpt] = "tiny",
     db_url: Annotated[str | None, typer.Option(help="Database; default SQLite in a temp data dir.")] = None,
     out: Annotated[str, typer.Option(help="Where to write the JSON results.")] = "bench-results/gateway.json",

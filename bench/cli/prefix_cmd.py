@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from gateway.cli.bench_cmds import bench_app
+from bench.cli.commands import bench_app
 
 
 @bench_app.command("prefix")

@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from gateway.cli.bench_cmds import bench_app
+from bench.cli.commands import bench_app
 
 
 @bench_app.command("upstream")

@@ -15,7 +15,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from audit.sink import store_txn_sink
 from audit.store import AuditStore, AuditUnavailable
 from gateway.audit_hook import AuditHook, AuditUnavailableError, TxnStep
-from gateway.cli import app
+from gateway.cli.app import app
 from gateway.cli.common import DataDirOpt, DbUrlOpt, cli_actor, prepared_settings, run
 from gateway.errors import GatewayError
 from gateway.schemas.admin import ADMIN_SCOPES, MAX_EXPIRES_IN_SECONDS, AdminTokenCreate

@@ -17,7 +17,7 @@ from audit.purge import purge_before
 from audit.retention import RetentionStore, resolve_master_key
 from audit.store import AuditStore, AuditUnavailable
 from audit.verify import verify_bundle
-from gateway.cli import app
+from gateway.cli.app import app
 from gateway.cli.common import cli_actor
 from gateway.storage.db import default_db_url, normalize_db_url
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from gateway.cli import app
+from gateway.cli.app import app
 from gateway.cli.common import DataDirOpt, DbUrlOpt, build_settings, prepared_settings, run
 from gateway.storage import migrate
 

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from gateway.cli import app
+from gateway.cli.app import app
 from gateway.settings import Settings
 from gateway.settings_doc import CliOption, render_configuration
 

@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from gateway.cli import app
+from gateway.cli.app import app
 
 model_app = typer.Typer(help="Prepare and inspect models.", no_args_is_help=True)
 app.add_typer(model_app, name="model")

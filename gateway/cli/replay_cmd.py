@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from gateway.cli import app
+from gateway.cli.app import app
 from gateway.cli.common import DataDirOpt, DbUrlOpt, build_settings, run
 
 if TYPE_CHECKING:

@@ -11,7 +11,7 @@ from typing import IO, Annotated, Any
 import structlog
 import typer
 
-from gateway.cli import app
+from gateway.cli.app import app
 from gateway.cli.common import DataDirOpt, DbUrlOpt, build_settings, prepare_data_dir, run
 from gateway.secrets import UnsafeSecretPath
 from gateway.settings import Settings

@@ -7,8 +7,7 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
-import gateway.cli.bench_audit_cmd  # noqa: F401  (registers `bench audit`, as gateway.cli._register does)
-from gateway.cli import app
+from kvgate.cli import app
 
 
 def test_bench_audit_small(tmp_path: Path) -> None:

@@ -12,7 +12,7 @@ from audit.store import AuditStore
 from audit.tables import metadata
 
 AUDIT_DIR = Path(__file__).resolve().parents[2] / "audit"
-PROJECT_PACKAGES = {"gateway", "engine", "policies", "kernels", "migrations", "bench"}
+PROJECT_PACKAGES = {"gateway", "engine", "policies", "kernels", "migrations", "bench", "kvgate"}
 
 
 def test_audit_imports_nothing_from_the_project() -> None:

@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from bench.soak_report import MIN_REQUESTS, format_table, summarize
 from bench.soak_traffic import OUTCOMES, refusal_outcome
-from gateway.cli import app
+from kvgate.cli import app
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -36,7 +36,7 @@ def test_small_run_measures_the_upstream_and_the_gateway_in_front_of_it(tmp_path
 
 
 def test_bad_concurrency_is_refused_before_anything_starts():
-    from gateway.cli import app
+    from kvgate.cli import app
 
     result = CliRunner().invoke(app, ["bench", "upstream", "--concurrency", "x"])
     assert result.exit_code == 2 and "comma list of integers" in result.output

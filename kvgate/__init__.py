@@ -1,0 +1,1 @@
+"""The ``kvgate`` command's composition root: the one package that may import every other."""
