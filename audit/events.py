@@ -31,6 +31,17 @@ SERVICE_STARTED = "service.started"
 SERVICE_STOPPED = "service.stopped"
 
 _REQUEST_COMMON = ("model", "num_prompt_tokens", "prompt_hash", "determinism", "policy_version")
+# request.finished's determinism receipt: what ``kvgate replay`` needs besides the prompt and the structured
+# output's spec, which the caller gives again. Its parameters are the engine's SamplingParams fields by
+# name (gateway/services/receipts.py walks them; a test holds this list to that walk), never content: a
+# structured output is its kind and keyed hash.
+RECEIPT_FIELDS = frozenset({
+    "receipt_version", "kind", "model", "determinism", "system_fingerprint", "prompt_hash", "arrival_step",
+    "token_hashes", "structured_kind", "structured_hash",
+    "num_choices", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
+    "ignore_eos", "min_tokens", "skip_special_tokens", "presence_penalty", "frequency_penalty",
+    "repetition_penalty", "logit_bias",
+})
 # name -> fields allowed in ``data``. Top-level ids (tenant, key, request, actor) are columns, not data.
 EVENT_FIELDS: dict[str, frozenset[str]] = {
     AUTH_SUCCEEDED: frozenset({"kind", "method", "path", "scopes"}),
@@ -41,10 +52,7 @@ EVENT_FIELDS: dict[str, frozenset[str]] = {
     REQUEST_REJECTED: frozenset({*_REQUEST_COMMON, "reason", "code", "status", "violations", "status_code"}),
     REQUEST_FINISHED: frozenset({
         *_REQUEST_COMMON, "num_completion_tokens", "num_cached_tokens", "latency_ms", "ttft_ms",
-        "finish_reason", "finish_reasons", "status_code", "is_stream", "is_aborted",
-        # Determinism receipt (what ``kvgate replay`` needs besides the prompt itself):
-        "kind", "system_fingerprint", "token_hashes", "num_choices", "max_tokens", "temperature", "top_p",
-        "top_k", "seed", "stop", "arrival_step",
+        "finish_reason", "finish_reasons", "status_code", "is_stream", "is_aborted", *RECEIPT_FIELDS,
     }),
     ADMIN_ACTION: frozenset({"action", "target_type", "target_id", "before", "after", "status_code"}),
     POLICY_VERSION_CREATED: frozenset({"version", "previous_version", "before", "after", "comment"}),

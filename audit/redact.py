@@ -11,6 +11,7 @@ from typing import Any
 import orjson
 
 from audit.context import get_sensitive
+from audit.events import RECEIPT_FIELDS
 from audit.patterns import REDACTED, is_card_number, is_digest_field, scrub_text
 
 # Keys whose values are user content: never logged, replaced by {"len", "hmac"}.
@@ -35,8 +36,7 @@ DEFAULT_ALLOWED_KEYS = frozenset({
     "action", "target", "target_id", "scopes", "version", "host", "port", "pid", "device", "dtype",
     "num_blocks", "attempt", "url", "db", "revision", "headers", "event_name",
     # request.finished's determinism receipt:
-    "kind", "system_fingerprint", "token_hashes", "temperature", "top_p", "top_k", "seed", "stop",
-    "arrival_step",
+    *RECEIPT_FIELDS,
     # request.admitted's feature names (json_schema, tools, ...): fixed words, never the schema itself.
     "features",
 })

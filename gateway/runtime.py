@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 from sqlalchemy import text
@@ -18,7 +18,7 @@ from gateway.openai_format import TokenText
 from gateway.secrets import Hasher, load_or_create_pepper
 from gateway.services.overload import EngineGate
 from gateway.services.quota import QuotaService
-from gateway.services.receipts import prompt_ids_hash
+from gateway.services.receipts import prompt_ids_hash, structured_hash
 from gateway.services.segment_cache import SegmentCache
 from gateway.services.slots import Slots
 from gateway.settings import Settings
@@ -27,6 +27,9 @@ from gateway.storage.txn import TxnRunner
 from gateway.upstream.call import SALT_LABEL
 from gateway.upstream.client import ReplyLimits
 from gateway.upstream.table import RouteTable
+
+if TYPE_CHECKING:
+    from engine import StructuredOutput
 
 log = structlog.get_logger()
 
@@ -169,6 +172,13 @@ class Runtime:
         if self.audit_store is None:
             return None
         return prompt_ids_hash(self.audit_store.keys, token_ids)
+
+    def structured_hash(self, structured: StructuredOutput | None) -> str | None:
+        """Keyed hash of a structured output's spec for the request's receipt; ``None`` without one, or
+        when events do not go to the audit store."""
+        if self.audit_store is None or structured is None:
+            return None
+        return structured_hash(self.audit_store.keys, structured)
 
     async def is_db_ready(self) -> bool:
         try:

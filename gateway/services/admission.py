@@ -57,9 +57,11 @@ class Admission:
     # Prompt retention (the tenant's policy): days to keep it, and what to keep; 0 and None when off.
     retain_days: int = 0
     retained_prompt: Any = None
-    # Receipts: the keyed prompt hash (``None`` when events are not chained into the audit store) and the
-    # engine's fingerprint for the request's determinism mode, known before the first token.
+    # Receipts: the keyed prompt and structured-output hashes (``None`` when events are not chained into
+    # the audit store) and the engine's fingerprint for the request's determinism mode, known before the
+    # first token.
     prompt_hash: str | None = None
+    structured_hash: str | None = None
     system_fingerprint: str | None = None
     # In the engine gate: a claim until ``place.take()`` (once the reservation decided), then the place,
     # given back when the request's settlement starts.
@@ -313,6 +315,7 @@ async def admit(
         retain_days=policy.prompt_retention_days,
         retained_prompt=retained,
         prompt_hash=prompt_hash,
+        structured_hash=rt.structured_hash(found.structured),
         system_fingerprint=fingerprint,
         place=place,
         share=share,

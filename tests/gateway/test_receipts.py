@@ -3,12 +3,23 @@ keyed prompt hash and per-choice token hash chains; never the prompt."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import orjson
 from sqlalchemy import select
 
+from audit.events import EVENT_FIELDS, RECEIPT_FIELDS, REQUEST_FINISHED, make_event
+from audit.redact import Redactor
 from audit.tables import audit_events
+from engine import SamplingParams
+from gateway.services.receipts import (
+    NOT_RECORDED,
+    RECEIPT_VERSION,
+    Receipt,
+    receipt_field_names,
+    recorded_params,
+)
 from tests.gateway.conftest import Gateway
 from tests.gateway.test_openai import tenant_headers
 
@@ -95,3 +106,53 @@ async def test_a_callers_seed_is_recorded_as_given(gw: Gateway) -> None:
     [finished] = await _events(gw, "request.finished")
     assert finished["seed"] == 2**62 + 7 and finished["determinism"] == "fixed"
     assert len(finished["token_hashes"]) == 1
+
+
+# Every recorded SamplingParams field away from its default, so a round trip shows each one survives.
+EVERY_PARAMETER = SamplingParams(
+    n=2, max_tokens=9, temperature=0.7, top_p=0.9, top_k=5, seed=12345, stop=["END"], stop_token_ids=[7],
+    ignore_eos=True, min_tokens=3, logprobs=None, skip_special_tokens=False, determinism="fixed",
+    presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.2, logit_bias={1000: 100.0, 3: -2.5},
+)
+# A request.finished receipt as written before receipts held every parameter (version 1).
+VERSION_1 = {
+    "kind": "text", "model": "m", "determinism": "batch_invariant",
+    "system_fingerprint": "fp_0a1b2c3d4e5f6a7b", "prompt_hash": "0" * 32, "num_choices": 1, "max_tokens": 8,
+    "temperature": 0.7, "top_p": 0.9, "top_k": 5,
+    "seed": 12345, "stop": ["END"], "arrival_step": 3, "token_hashes": ["1" * 32],
+}
+
+
+def test_every_sampling_parameter_is_recorded_or_left_out_for_a_stated_reason() -> None:
+    names = {f.name for f in dataclasses.fields(SamplingParams)}
+    assert set(NOT_RECORDED) == {"logprobs", "structured"}
+    assert all(NOT_RECORDED.values())
+    assert set(recorded_params()) == names - set(NOT_RECORDED)
+
+
+def test_the_audit_trail_allows_exactly_the_receipts_fields() -> None:
+    assert receipt_field_names() == RECEIPT_FIELDS
+    assert RECEIPT_FIELDS <= EVENT_FIELDS[REQUEST_FINISHED]
+    assert all(Redactor().is_allowed(name) for name in RECEIPT_FIELDS)
+
+
+async def test_a_receipt_keeps_every_recorded_parameter_through_the_audit_store(gw: Gateway) -> None:
+    defaults = SamplingParams()
+    unchanged = [n for n in recorded_params() if getattr(EVERY_PARAMETER, n) == getattr(defaults, n)]
+    assert not unchanged, f"give {unchanged} a value other than its default above"
+    receipt = Receipt("chat", "m", "fp_0a1b2c3d4e5f6a7b", EVERY_PARAMETER, prompt_hash="0" * 32,
+                      structured_kind="regex", structured_hash="2" * 32, arrival_step=0,
+                      token_hashes=("1" * 32, "3" * 32))
+    await gw.runtime.audit_store.append(make_event(REQUEST_FINISHED, request_id="r1", **receipt.fields()))
+    [recorded] = await _events(gw, REQUEST_FINISHED)
+    assert Receipt.from_fields(recorded) == receipt
+    assert recorded["receipt_version"] == RECEIPT_VERSION
+
+
+def test_a_version_1_receipt_replays_with_the_parameters_it_always_had() -> None:
+    receipt = Receipt.from_fields(VERSION_1)
+    assert receipt.version == 1 and receipt.structured_kind is None
+    assert receipt.sampling_params() == SamplingParams(
+        n=1, max_tokens=8, temperature=0.7, top_p=0.9, top_k=5, seed=12345, stop=["END"],
+        determinism="batch_invariant",
+    )

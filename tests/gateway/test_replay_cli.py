@@ -6,6 +6,7 @@ import asyncio
 import json
 from pathlib import Path
 
+import pytest
 from sqlalchemy import select
 from typer.testing import CliRunner, Result
 
@@ -142,3 +143,141 @@ async def test_token_id_prompt_replays(gw: Gateway, tiny_model_dir: Path, tmp_pa
     assert res.exit_code == 0 and "REPLAY MATCHES" in res.output, res.output
     res = await _replay(gw, tiny_model_dir, request_id, "--prompt-file", str(prompt_file))  # read as text
     assert res.exit_code == 3, res.output
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+}}
+# What each request adds to a chat body; every one decides the tokens, so a replay must run it too.
+TOKEN_DECIDING = {
+    "penalties": {"temperature": 1.0, "seed": 7, "presence_penalty": 2.0, "frequency_penalty": 2.0,
+                  "repetition_penalty": 2.0},
+    "logit_bias": {"temperature": 0, "logit_bias": {"1000": 100}},
+    "json_schema": {"temperature": 0, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "answer",
+        "schema": {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+    }}},
+    "regex": {"temperature": 0, "guided_regex": "[a-z]{2,9}"},
+    "tools": {"temperature": 0, "tools": [WEATHER],
+              "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
+}
+MODES = ("fixed", "batch_invariant")
+
+
+async def _replay_chat(gw: Gateway, tiny_model_dir: Path, tmp_path: Path, h: dict[str, str],
+                       body: dict) -> Result:
+    """Send a chat ``body``, then replay it with the body as its --messages-file."""
+    r = await gw.client.post("/v1/chat/completions", headers=h, json=body)
+    assert r.status_code == 200, r.text
+    body_file = tmp_path / "body.json"
+    body_file.write_text(json.dumps(body))
+    request_id = r.json()["id"].removeprefix("chatcmpl-")
+    return await _replay(gw, tiny_model_dir, request_id, "--messages-file", str(body_file))
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("case", sorted(TOKEN_DECIDING))
+async def test_a_request_with_token_deciding_parameters_replays(
+    gw: Gateway, tiny_model_dir: Path, tmp_path: Path, case: str, mode: str
+) -> None:
+    h = await tenant_headers(gw)
+    messages = [{"role": "user", "content": f"replay {case} in {mode}"}]  # a cold prefix cache for fixed
+    body = {"model": gw.runtime.engine.model_name, "messages": messages, "max_tokens": 6,
+            "determinism": mode, **TOKEN_DECIDING[case]}
+    res = await _replay_chat(gw, tiny_model_dir, tmp_path, h, body)
+    assert res.exit_code == 0 and "REPLAY MATCHES" in res.output, res.output
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_min_tokens_replays(gw: Gateway, tiny_model_dir: Path, tmp_path: Path, mode: str) -> None:
+    # min_tokens decides the tokens only where something would have ended the sequence sooner: a stop
+    # string taken from the request's own greedy output.
+    h = await tenant_headers(gw)
+    model = gw.runtime.engine.model_name
+    probe = {"model": model, "messages": [{"role": "user", "content": f"min tokens in {mode}"}],
+             "max_tokens": 6, "temperature": 0}
+    r = await gw.client.post("/v1/chat/completions", headers=h, json=probe)
+    text = r.json()["choices"][0]["message"]["content"]
+    assert text.strip(), r.text
+    body = probe | {"stop": [text.strip()[0]], "min_tokens": 6, "determinism": mode}
+    res = await _replay_chat(gw, tiny_model_dir, tmp_path, h, body)
+    assert res.exit_code == 0 and "REPLAY MATCHES" in res.output, res.output
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_a_text_completion_with_a_regex_replays_from_its_request_file(
+    gw: Gateway, tiny_model_dir: Path, tmp_path: Path, mode: str
+) -> None:
+    h = await tenant_headers(gw)
+    prompt = f"a text completion under a regex, {mode}"
+    body = {"model": gw.runtime.engine.model_name, "prompt": prompt, "max_tokens": 6, "temperature": 0,
+            "guided_regex": "[0-9]{3,9}", "determinism": mode}
+    r = await gw.client.post("/v1/completions", headers=h, json=body)
+    assert r.status_code == 200, r.text
+    request_id = r.json()["id"].removeprefix("cmpl-")
+    prompt_file, body_file = tmp_path / "prompt.txt", tmp_path / "body.json"
+    prompt_file.write_text(prompt)
+    body_file.write_text(json.dumps(body))
+    res = await _replay(gw, tiny_model_dir, request_id, "--prompt-file", str(prompt_file))
+    assert res.exit_code == 2 and "--request-file" in res.output, res.output
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps(body | {"guided_regex": "[0-9]{3,8}"}))
+    res = await _replay(gw, tiny_model_dir, request_id, "--prompt-file", str(prompt_file),
+                        "--request-file", str(other))
+    assert res.exit_code == 3 and "structured output: DIFFERS" in res.output, res.output
+    res = await _replay(gw, tiny_model_dir, request_id, "--prompt-file", str(prompt_file),
+                        "--request-file", str(body_file))
+    assert res.exit_code == 0 and "REPLAY MATCHES" in res.output, res.output
+
+
+# What request.finished's receipt held before version 2.
+VERSION_1_FIELDS = ("kind", "model", "determinism", "system_fingerprint", "prompt_hash", "num_choices",
+                    "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "arrival_step",
+                    "token_hashes")
+
+
+async def _record_as_version_1(gw: Gateway, request_id: str, features: list[str]) -> str:
+    """A copy of ``request_id``'s events as a gateway wrote them before receipts held every parameter."""
+    from audit.events import REQUEST_ADMITTED, REQUEST_FINISHED, make_event
+
+    async with gw.runtime.db.connect() as conn:
+        data = (await conn.execute(select(audit_events.c.data).where(
+            audit_events.c.name == REQUEST_FINISHED, audit_events.c.request_id == request_id))).scalar_one()
+    finished = {k: v for k, v in json.loads(data).items() if k in VERSION_1_FIELDS}
+    old_id = "0" * 31 + "1"
+    store = gw.runtime.audit_store
+    await store.append(make_event(REQUEST_ADMITTED, request_id=old_id, features=features or None))
+    await store.append(make_event(REQUEST_FINISHED, request_id=old_id, **finished))
+    return old_id
+
+
+async def test_a_version_1_receipt_replays_as_before(
+    gw: Gateway, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    h = await tenant_headers(gw)
+    prompt = "recorded before receipts held every parameter"
+    body = {"model": gw.runtime.engine.model_name, "prompt": prompt, "max_tokens": 5, "seed": 3,
+            "determinism": "batch_invariant"}
+    r = await gw.client.post("/v1/completions", headers=h, json=body)
+    assert r.status_code == 200, r.text
+    old_id = await _record_as_version_1(gw, r.json()["id"].removeprefix("cmpl-"), [])
+    prompt_file = tmp_path / "prompt.txt"
+    prompt_file.write_text(prompt)
+    res = await _replay(gw, tiny_model_dir, old_id, "--prompt-file", str(prompt_file))
+    assert res.exit_code == 0 and "REPLAY MATCHES" in res.output, res.output
+
+
+async def test_a_version_1_receipt_of_a_request_with_unrecorded_parameters_cannot_replay(
+    gw: Gateway, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    h = await tenant_headers(gw)
+    body = {"model": gw.runtime.engine.model_name, "prompt": "biased, long ago", "max_tokens": 4,
+            "temperature": 0, "logit_bias": {"1000": 100}, "determinism": "batch_invariant"}
+    r = await gw.client.post("/v1/completions", headers=h, json=body)
+    assert r.status_code == 200, r.text
+    old_id = await _record_as_version_1(gw, r.json()["id"].removeprefix("cmpl-"), ["logit_bias"])
+    prompt_file = tmp_path / "prompt.txt"
+    prompt_file.write_text("biased, long ago")
+    res = await _replay(gw, tiny_model_dir, old_id, "--prompt-file", str(prompt_file))
+    assert res.exit_code == 2 and "the request used logit_bias" in res.output, res.output
