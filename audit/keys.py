@@ -6,6 +6,7 @@ import hashlib
 import hmac
 import os
 import secrets
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -89,6 +90,16 @@ class AuditKeys:
     def prompt_hash(self, text: str) -> str:
         """Keyed hash for ``prompt_hash`` fields; a sub-key so the chain key itself is never exposed."""
         return hmac.new(self.log_hash_key, text.encode(), hashlib.sha256).hexdigest()[:32]
+
+    def token_ids_hash(self, token_ids: Sequence[int]) -> str:
+        """The keyed hash ``request.admitted``/``finished`` record: over the exact token ids the engine ran
+        (after the chat template), so equal prompts correlate and the text never shows."""
+        return self.prompt_hash(",".join(map(str, token_ids)))
+
+    def structured_hash(self, kind: str, spec: str) -> str:
+        """The keyed hash of a structured output's kind and spec (never its cache key, which changes no
+        token): a replay rebuilds the constraint from the request body and checks it against this."""
+        return self.prompt_hash(f"{kind}\n{spec}")
 
     @property
     def log_hash_key(self) -> bytes:

@@ -18,7 +18,6 @@ from gateway.openai_format import TokenText
 from gateway.secrets import Hasher, load_or_create_pepper
 from gateway.services.overload import EngineGate
 from gateway.services.quota import QuotaService
-from gateway.services.receipts import prompt_ids_hash, structured_hash
 from gateway.services.segment_cache import SegmentCache
 from gateway.services.slots import Slots
 from gateway.settings import Settings
@@ -171,14 +170,14 @@ class Runtime:
         """
         if self.audit_store is None:
             return None
-        return prompt_ids_hash(self.audit_store.keys, token_ids)
+        return self.audit_store.keys.token_ids_hash(token_ids)
 
     def structured_hash(self, structured: StructuredOutput | None) -> str | None:
         """Keyed hash of a structured output's spec for the request's receipt; ``None`` without one, or
         when events do not go to the audit store."""
         if self.audit_store is None or structured is None:
             return None
-        return structured_hash(self.audit_store.keys, structured)
+        return self.audit_store.keys.structured_hash(structured.kind, structured.spec)
 
     async def is_db_ready(self) -> bool:
         try:

@@ -34,12 +34,6 @@ ENGINE_FORBIDDEN = {
     "policies",
     "uvicorn",
 }
-# The one circle still allowed: the runtime builds the receipts service, which reaches back to the runtime
-# through admission (and admission's retention). Remove this entry once receipts no longer close it.
-KNOWN_CIRCLES = [
-    frozenset({"gateway.runtime", "gateway.services.receipts", "gateway.services.admission",
-               "gateway.services.retention"}),
-]
 
 
 def _imports(path: Path) -> set[str]:
@@ -209,11 +203,7 @@ def test_the_graph_sees_an_import_inside_a_function(import_graph):
 
 def test_no_modules_import_each_other_in_a_circle(import_graph):
     circles = import_graph.circles()
-    new = [c for c in circles if not any(c <= known for known in KNOWN_CIRCLES)]
-    assert not new, "import circles:\n" + "\n".join(import_graph.describe_circle(c) for c in new)
-    for known in KNOWN_CIRCLES:
-        assert any(c <= known for c in circles), (
-            f"the circle among {sorted(known)} is gone: remove it from KNOWN_CIRCLES")
+    assert not circles, "import circles:\n" + "\n".join(import_graph.describe_circle(c) for c in circles)
 
 
 def test_no_module_imports_a_private_name_of_another(import_graph):

@@ -199,9 +199,8 @@ def _structured(data_dir: Path, receipt: Receipt, request: Any, has_body: bool) 
         )
     if structured is not None and receipt.version < 2:
         raise ReplayError("the request's receipt was recorded before receipts held structured outputs")
-    from gateway.services.receipts import structured_hash
-
-    if structured is None or structured_hash(_audit_keys(data_dir), structured) != receipt.structured_hash:
+    recorded, keys = receipt.structured_hash, _audit_keys(data_dir)
+    if structured is None or recorded != keys.structured_hash(structured.kind, structured.spec):
         typer.echo("structured output: DIFFERS from the recorded keyed hash; not run")
         raise typer.Exit(EXIT_PROMPT_DIFFERS)
     typer.echo(f"structured output: {structured.kind} matches the recorded keyed hash")
@@ -237,9 +236,7 @@ def _audit_keys(data_dir: Path) -> Any:
 
 
 def _prompt_hash(data_dir: Path, prompt_ids: list[int]) -> str:
-    from gateway.services.receipts import prompt_ids_hash
-
-    return prompt_ids_hash(_audit_keys(data_dir), prompt_ids)
+    return _audit_keys(data_dir).token_ids_hash(prompt_ids)
 
 
 def _run(settings: Any, receipt: Receipt, prompt_ids: list[int], structured: Any) -> Any:

@@ -15,14 +15,13 @@ completion.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from engine import SamplingParams
 
 if TYPE_CHECKING:
-    from audit.keys import AuditKeys
     from engine import StructuredOutput
     from gateway.services.admission import Admission
 
@@ -53,18 +52,6 @@ def recorded_params() -> dict[str, str]:
 def receipt_field_names() -> frozenset[str]:
     """Every field a receipt may record (``audit.events.RECEIPT_FIELDS`` must allow each)."""
     return frozenset((*ENVELOPE, *recorded_params().values()))
-
-
-def prompt_ids_hash(keys: AuditKeys, token_ids: Sequence[int]) -> str:
-    """The keyed hash ``request.admitted``/``finished`` record: over the exact token ids the engine ran
-    (after the chat template), so equal prompts correlate and the text never shows."""
-    return keys.prompt_hash(",".join(map(str, token_ids)))
-
-
-def structured_hash(keys: AuditKeys, structured: StructuredOutput) -> str:
-    """The keyed hash of a structured output's kind and spec (never its cache key, which changes no
-    token): a replay rebuilds the constraint from the request body and checks it against this."""
-    return keys.prompt_hash(f"{structured.kind}\n{structured.spec}")
 
 
 def _recordable(value: Any) -> Any:
