@@ -7,6 +7,7 @@ from typing import Any
 
 import orjson
 
+from gateway.schemas.openai import RequestKind
 from gateway.services.tools import ToolMode
 from gateway.tool_calls import CallParser, Piece, parse_reply
 
@@ -76,7 +77,8 @@ def text_logprobs(entries: list[Any] | None, text_of: TokenText, offset: int = 0
 
 
 def _base(
-    kind: str, request_id: str, created: int, model: str, *, chunk: bool, system_fingerprint: str | None
+    kind: RequestKind, request_id: str, created: int, model: str, *, chunk: bool,
+    system_fingerprint: str | None,
 ) -> dict[str, Any]:
     if kind == "chat":
         obj = "chat.completion.chunk" if chunk else "chat.completion"
@@ -97,7 +99,7 @@ def _base(
 
 
 def full_response(
-    kind: str,
+    kind: RequestKind,
     request_id: str,
     created: int,
     model: str,
@@ -151,7 +153,7 @@ def _message(text: str, reason: str | None, tools: ToolMode | None) -> tuple[dic
 
 
 def chunk(
-    kind: str,
+    kind: RequestKind,
     request_id: str,
     created: int,
     model: str,
@@ -169,7 +171,7 @@ def chunk(
 
 
 def delta_choice(
-    kind: str, output: Any, num_prev_tokens: int, text_of: TokenText, num_prev_chars: int
+    kind: RequestKind, output: Any, num_prev_tokens: int, text_of: TokenText, num_prev_chars: int
 ) -> dict[str, Any]:
     """One streamed choice: the new text (and its logprobs) since the previous chunk."""
     new_entries = None if output.logprobs is None else output.logprobs[num_prev_tokens:]

@@ -16,7 +16,7 @@ from gateway.errors import NotFound
 from gateway.guards import requires_tenant
 from gateway.openapi import Body, Reply, route_doc
 from gateway.runtime import Runtime
-from gateway.schemas.openai import ChatCompletionRequest, CompletionRequest
+from gateway.schemas.openai import ChatCompletionRequest, CompletionRequest, RequestKind
 from gateway.schemas.responses import (
     ChatCompletion,
     ChatCompletionChunk,
@@ -35,7 +35,7 @@ async def _complete(
     receive: Receive,
     send: Send,
     schema: type[ChatCompletionRequest] | type[CompletionRequest],
-    kind: str,
+    kind: RequestKind,
 ) -> None:
     if scope["method"] != "POST":
         raise MethodNotAllowedException(headers={"Allow": "POST"})

@@ -62,6 +62,8 @@ _Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 _TokenIdKey = Annotated[str, Field(pattern=r"^[0-9]{1,10}$")]
 _Bias = Annotated[float, Field(ge=-100.0, le=100.0)]
 MAX_LOGIT_BIAS = 300
+# Which completions API a request came by: /v1/chat/completions or /v1/completions.
+RequestKind = Literal["chat", "text"]
 _Choice = Annotated[str, Field(min_length=1, max_length=1024)]
 
 

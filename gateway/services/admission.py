@@ -14,7 +14,7 @@ from engine import SamplingParams, TenantShare
 from gateway.audit_hook import AuditUnavailableError, DeferredEvent, chain_steps
 from gateway.errors import InvalidRequest, PolicyViolation
 from gateway.runtime import Runtime
-from gateway.schemas.openai import ChatCompletionRequest, CompletionRequest
+from gateway.schemas.openai import ChatCompletionRequest, CompletionRequest, RequestKind
 from gateway.services import retention
 from gateway.services.keys import Principal
 from gateway.services.overload import EnginePlace
@@ -44,7 +44,7 @@ class Admission:
     """An admitted request, ready for the engine. ``reservation`` must be settled exactly once."""
 
     request_id: str
-    kind: str  # chat | text
+    kind: RequestKind
     principal: Principal
     model: str
     prompt_token_ids: list[int]
@@ -248,7 +248,7 @@ async def admit(
     rt: Runtime,
     principal: Principal,
     req: ChatCompletionRequest | CompletionRequest,
-    kind: str,
+    kind: RequestKind,
     auth_event: DeferredEvent | None = None,
     gated: Gated | None = None,
 ) -> Admission:

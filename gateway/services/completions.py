@@ -27,7 +27,7 @@ from gateway.errors import (
     error_body,
 )
 from gateway.runtime import Runtime
-from gateway.schemas.openai import ChatCompletionRequest, CompletionRequest
+from gateway.schemas.openai import ChatCompletionRequest, CompletionRequest, RequestKind
 from gateway.services.admission import Admission, admit, gate
 from gateway.services.keys import Principal
 from gateway.services.settlement import Progress, finish, finish_soon, settle_unstarted, until_committed
@@ -204,7 +204,7 @@ async def _stream(
         await gen.aclose()  # a request that did not end is aborted (the settlement aborts it too)
 
 
-async def _audited(rt: Runtime, principal: Principal, kind: str, auth_event: DeferredEvent | None,
+async def _audited(rt: Runtime, principal: Principal, kind: RequestKind, auth_event: DeferredEvent | None,
                    step: Awaitable[T]) -> T:
     """``await step`` (a step of admission), recording a refusal: ``request.rejected``, after the
     deferred ``auth.success``."""
@@ -246,7 +246,7 @@ async def handle(
     rt: Runtime,
     principal: Principal,
     parse: Callable[[], ChatCompletionRequest | CompletionRequest],
-    kind: str,
+    kind: RequestKind,
     auth_event: DeferredEvent | None = None,
     receive: Receive | None = None,
 ) -> WholeReply | StreamReply | None:

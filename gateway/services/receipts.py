@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from engine import SamplingParams
+from gateway.schemas.openai import RequestKind
 
 if TYPE_CHECKING:
     from engine import StructuredOutput
@@ -86,7 +87,7 @@ class Receipt:
             parameter.
     """
 
-    kind: str
+    kind: RequestKind
     model: str
     system_fingerprint: str
     params: SamplingParams

@@ -13,6 +13,7 @@ from gateway import openai_format as fmt
 from gateway.asgi_io import StreamReply, WholeReply
 from gateway.errors import InvalidRequest, ServiceUnavailable, error_body
 from gateway.runtime import Runtime
+from gateway.schemas.openai import RequestKind
 from gateway.services.admission import Admission
 from gateway.services.settlement import Progress, finish, until_committed
 from gateway.upstream.call import UpstreamCall
@@ -165,14 +166,14 @@ def _whole_body(adm: Admission, last: UpstreamOutput, parts: list[bytes]) -> dic
             "system_fingerprint": None, "choices": choices, "usage": fmt.usage_dict(*last.usage)}  # type: ignore[misc]
 
 
-def _whole_choice(kind: str, o: UpstreamChoice) -> dict[str, Any]:
+def _whole_choice(kind: RequestKind, o: UpstreamChoice) -> dict[str, Any]:
     if kind == "chat":
         message = {"role": "assistant", "content": o.text, "refusal": None}
         return {"index": o.index, "message": message, "logprobs": None, "finish_reason": o.finish_reason}
     return {"index": o.index, "text": o.text, "logprobs": None, "finish_reason": o.finish_reason}
 
 
-def _merge_chunk(kind: str, choice: dict[str, Any], c: dict[str, Any]) -> None:
+def _merge_chunk(kind: RequestKind, choice: dict[str, Any], c: dict[str, Any]) -> None:
     lp = c.get("logprobs")
     if kind == "chat":
         for call in (c.get("delta") or {}).get("tool_calls") or []:

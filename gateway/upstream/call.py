@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway.errors import InvalidRequest, NotFound, PolicyViolation
-from gateway.schemas.openai import ChatCompletionRequest, CompletionRequest
+from gateway.schemas.openai import ChatCompletionRequest, CompletionRequest, RequestKind
 from gateway.upstream.pool import affinity_key
 from gateway.upstream.table import RouteTable, Target
 from policies import Policy
@@ -52,7 +52,8 @@ class _UpstreamModes:
 UPSTREAM_MODES = _UpstreamModes(_Modes(("fast",)))
 
 
-def prepare(target: Target, req: ChatCompletionRequest | CompletionRequest, kind: str, max_tokens: int,
+def prepare(target: Target, req: ChatCompletionRequest | CompletionRequest, kind: RequestKind,
+            max_tokens: int,
             namespace: bytes, prompt_ids: list[int], salt_key: bytes, may_share_cache: bool) -> UpstreamCall:
     """The upstream request: the client's fields but the gateway's own, and the prefix cache kept to the
     request's ``namespace`` (a keyed salt where the server takes one, caching off where it can be turned
