@@ -3,18 +3,20 @@
 from __future__ import annotations
 
 import gc
+import inspect
 import logging
 import ssl
-from pathlib import Path
-from typing import IO, Annotated, Any
+from types import UnionType
+from typing import IO, Annotated, Any, Union, get_args, get_origin
 
 import structlog
 import typer
 
 from gateway.cli.app import app
-from gateway.cli.common import DataDirOpt, DbUrlOpt, build_settings, prepare_data_dir, run
+from gateway.cli.common import build_settings, prepare_data_dir, run
 from gateway.secrets import UnsafeSecretPath
 from gateway.settings import Settings
+from gateway.settings_doc import attribute_docs
 
 
 def configure_serve_logging(settings: Settings, stream: IO[bytes] | None = None) -> None:
@@ -124,109 +126,46 @@ def _tls_context(settings: Settings) -> ssl.SSLContext | None:
     return server_context(files.cert, files.key)
 
 
-@app.command("serve")
-def serve(
-    host: Annotated[str | None, typer.Option(help="Bind address (KVGATE_HOST).")] = None,
-    port: Annotated[int | None, typer.Option(help="Bind port (KVGATE_PORT).")] = None,
-    data_dir: DataDirOpt = None,
-    db_url: DbUrlOpt = None,
-    model: Annotated[str | None, typer.Option(help="Model dir or GGUF; default model if unset.")] = None,
-    insecure_http: Annotated[
-        bool | None, typer.Option("--insecure-http", help="Plain HTTP (behind a proxy).")
-    ] = None,
-    tls_cert: Annotated[Path | None, typer.Option(help="Server certificate PEM.")] = None,
-    tls_key: Annotated[Path | None, typer.Option(help="Server key PEM.")] = None,
-    num_kv_blocks: Annotated[int | None, typer.Option(help="KV pool size in blocks.")] = None,
-    max_num_seqs: Annotated[int | None, typer.Option(help="Engine batch limit.")] = None,
-    dtype: Annotated[
-        str | None, typer.Option(help="auto | float32 | bfloat16 | float16 (KVGATE_DTYPE).")
-    ] = None,
-    int4_decode: Annotated[
-        str | None, typer.Option(help="4-bit weights for few-row steps: auto|on|off (KVGATE_INT4_DECODE).")
-    ] = None,
-    device: Annotated[str | None, typer.Option(help="cpu | cuda.")] = None,
-    kv_cache_dtype: Annotated[
-        str | None, typer.Option(help="auto|float32|bfloat16|float16|int8|fp8 (KVGATE_KV_CACHE_DTYPE).")
-    ] = None,
-    determinism_modes: Annotated[
-        str | None, typer.Option(help="Modes served, e.g. fast,batch_invariant (KVGATE_DETERMINISM_MODES).")
-    ] = None,
-    reserved_cpus: Annotated[
-        int | None, typer.Option(help="Cores kept from the engine for the gateway (KVGATE_RESERVED_CPUS).")
-    ] = None,
-    engine_process: Annotated[
-        bool | None,
-        typer.Option("--engine-process/--engine-thread", help="The engine in a child process or a thread "
-                     "of this one (KVGATE_ENGINE_PROCESS)."),
-    ] = None,
-    http_max_header_bytes: Annotated[
-        int | None, typer.Option(help="Largest request head; 431 beyond (KVGATE_HTTP_MAX_HEADER_BYTES).")
-    ] = None,
-    http_header_timeout_s: Annotated[
-        float | None, typer.Option(help="Seconds to send a request head (KVGATE_HTTP_HEADER_TIMEOUT_S).")
-    ] = None,
-    http_body_timeout_s: Annotated[
-        float | None, typer.Option(help="Seconds to send a body; 408 after (KVGATE_HTTP_BODY_TIMEOUT_S).")
-    ] = None,
-    http_keep_alive_s: Annotated[
-        float | None, typer.Option(help="Idle seconds between requests (KVGATE_HTTP_KEEP_ALIVE_S).")
-    ] = None,
-    http_max_connections: Annotated[
-        int | None, typer.Option(help="Open connections in all (KVGATE_HTTP_MAX_CONNECTIONS).")
-    ] = None,
-    http_max_connections_per_peer: Annotated[
-        int | None,
-        typer.Option(help="Open connections per client address (KVGATE_HTTP_MAX_CONNECTIONS_PER_PEER)."),
-    ] = None,
-    stream_stall_timeout_s: Annotated[
-        float | None,
-        typer.Option(help="Seconds a client may take nothing of its reply (KVGATE_STREAM_STALL_TIMEOUT_S)."),
-    ] = None,
-    http_tls_handshake_timeout_s: Annotated[
-        float | None,
-        typer.Option(help="Seconds to finish the TLS handshake (KVGATE_HTTP_TLS_HANDSHAKE_TIMEOUT_S)."),
-    ] = None,
-    http_write_timeout_s: Annotated[
-        float | None,
-        typer.Option(help="Seconds a client may leave its reply untaken (KVGATE_HTTP_WRITE_TIMEOUT_S)."),
-    ] = None,
-    http_max_write_buffer_bytes: Annotated[
-        int | None,
-        typer.Option(help="Reply bytes buffered per connection (KVGATE_HTTP_MAX_WRITE_BUFFER_BYTES)."),
-    ] = None,
-) -> None:
+# The settings ``kvgate serve`` takes as flags, in its --help order. Each flag is declared once, by its
+# setting: its type and default from ``Settings``, its help from the settings' docstring (``_serve_flag``).
+SERVE_FLAGS = (
+    "host", "port", "data_dir", "db_url", "model", "insecure_http", "tls_cert", "tls_key", "num_kv_blocks",
+    "max_num_seqs", "dtype", "int4_decode", "device", "kv_cache_dtype", "determinism_modes",
+    "reserved_cpus", "engine_process", "http_max_header_bytes", "http_header_timeout_s",
+    "http_body_timeout_s", "http_keep_alive_s", "http_max_connections", "http_max_connections_per_peer",
+    "stream_stall_timeout_s", "http_tls_handshake_timeout_s", "http_write_timeout_s",
+    "http_max_write_buffer_bytes",
+)
+# Switches spelled otherwise than --<setting> (a bool flag would be --x/--no-x).
+_FLAG_DECLS = {"insecure_http": ("--insecure-http",),
+               "engine_process": ("--engine-process/--engine-thread",)}
+
+
+def _first_sentence(doc: str) -> str:
+    doc = doc.replace("`", "")
+    end = doc.find(". ")
+    return doc if end < 0 else doc[:end + 1]
+
+
+def _serve_flag(name: str, docs: dict[str, str]) -> inspect.Parameter:
+    """``kvgate serve``'s flag for the setting ``name``: unset (None) falls through to the environment."""
+    field = Settings.model_fields[name]
+    kind = field.annotation
+    if get_origin(kind) in (Union, UnionType):
+        kind = next(a for a in get_args(kind) if a is not type(None))
+    env = f"{Settings.model_config['env_prefix']}{name}".upper()
+    help_text = _first_sentence(docs[name])
+    help_text = help_text if env in help_text else f"{help_text} ({env})"
+    option = typer.Option(*_FLAG_DECLS.get(name, ()), help=help_text)
+    return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None,
+                             annotation=Annotated[kind | None, option])
+
+
+def serve(**flags: Any) -> None:
     """Run the HTTPS gateway and its engine, a supervised child process (migrates the database first)."""
     from gateway.storage import migrate
 
-    settings = build_settings(
-        host=host,
-        port=port,
-        data_dir=data_dir,
-        db_url=db_url,
-        model=model,
-        insecure_http=insecure_http,
-        tls_cert=tls_cert,
-        tls_key=tls_key,
-        num_kv_blocks=num_kv_blocks,
-        max_num_seqs=max_num_seqs,
-        dtype=dtype,
-        int4_decode=int4_decode,
-        device=device,
-        kv_cache_dtype=kv_cache_dtype,
-        determinism_modes=determinism_modes,
-        reserved_cpus=reserved_cpus,
-        engine_process=engine_process,
-        http_max_header_bytes=http_max_header_bytes,
-        http_header_timeout_s=http_header_timeout_s,
-        http_body_timeout_s=http_body_timeout_s,
-        http_keep_alive_s=http_keep_alive_s,
-        http_max_connections=http_max_connections,
-        http_max_connections_per_peer=http_max_connections_per_peer,
-        stream_stall_timeout_s=stream_stall_timeout_s,
-        http_tls_handshake_timeout_s=http_tls_handshake_timeout_s,
-        http_write_timeout_s=http_write_timeout_s,
-        http_max_write_buffer_bytes=http_max_write_buffer_bytes,
-    )
+    settings = build_settings(**flags)
     configure_serve_logging(settings)
     try:
         prepare_data_dir(settings)
@@ -241,3 +180,10 @@ def serve(
     scheme = "http" if settings.insecure_http else "https"
     typer.echo(f"kvgate serving on {scheme}://{settings.host}:{settings.port}", err=True)
     _run_server(settings, tls)
+
+
+_DOCS = attribute_docs(Settings)
+_PARAMETERS = [_serve_flag(name, _DOCS) for name in SERVE_FLAGS]
+serve.__signature__ = inspect.Signature(_PARAMETERS)  # type: ignore[attr-defined]
+serve.__annotations__ = {p.name: p.annotation for p in _PARAMETERS} | {"return": None}
+app.command("serve")(serve)
