@@ -38,7 +38,7 @@ _REQUEST_COMMON = ("model", "num_prompt_tokens", "prompt_hash", "determinism", "
 RECEIPT_FIELDS = frozenset({
     "receipt_version", "kind", "model", "determinism", "system_fingerprint", "prompt_hash", "arrival_step",
     "token_hashes", "structured_kind", "structured_hash",
-    "num_choices", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
+    "num_choices", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
     "ignore_eos", "min_tokens", "skip_special_tokens", "presence_penalty", "frequency_penalty",
     "repetition_penalty", "logit_bias",
 })

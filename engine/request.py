@@ -36,6 +36,8 @@ class SamplingParams:
         temperature: 0 means greedy.
         top_p: Nucleus sampling mass in (0, 1].
         top_k: Keep the k most likely tokens; 0 or -1 disables.
+        min_p: In [0, 1]: keep only the tokens at least this fraction as likely as the most likely one (after
+            the temperature, before top-k and top-p); 0 disables.
         seed: Makes sampling reproducible; draws depend only on (seed, sample index, position).
         stop: Strings that end generation; the stop string is not returned.
         stop_token_ids: Token ids that end generation (returned in ``token_ids``).
@@ -60,6 +62,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
     seed: int | None = None
     stop: list[str] | str | None = None
     stop_token_ids: list[int] = field(default_factory=list)
@@ -86,6 +89,8 @@ class SamplingParams:
                f"top_p must be in (0, 1], got {self.top_p!r}")
         _check(_is_int(self.top_k) and self.top_k >= -1,
                f"top_k must be an integer >= -1, got {self.top_k!r}")
+        _check(_is_num(self.min_p) and 0.0 <= self.min_p <= 1.0,
+               f"min_p must be in [0, 1], got {self.min_p!r}")
         _check(self.seed is None or _is_int(self.seed), f"seed must be an integer, got {self.seed!r}")
         _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20),
                f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")

@@ -99,12 +99,14 @@ def _search(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cdf, target[:, None])[:, 0].clamp_(max=weights.shape[1] - 1)
 
 
-def _draw_truncated(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+def _draw_truncated(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
                     u: torch.Tensor) -> torch.Tensor:
-    """[R] tokens of rows with top-k or top-p: the cut from the K most likely tokens of each row (K from
-    ``_CANDIDATE_COUNTS``, then the whole vocabulary for rows those do not settle), then the inverse CDF
-    over the kept tokens in vocabulary order, so that ties need no ordering and the token is the one the
-    whole masked vocabulary would give."""
+    """[R] tokens of rows with top-k, top-p or min-p: the cut from the K most likely tokens of each row (K
+    from ``_CANDIDATE_COUNTS``, then the whole vocabulary for rows those do not settle), then the inverse
+    CDF over the kept tokens in vocabulary order, so that ties need no ordering and the token is the one
+    the whole masked vocabulary would give. Min-p raises the cut to ``min_p`` times the row's most likely
+    probability (after top-k and top-p, as vLLM applies it); a cut above the K-th candidate settles the
+    row whatever top-k and top-p would need, since every token it keeps is among the K."""
     vocab = probs.shape[1]
     tokens = torch.empty(probs.shape[0], dtype=torch.long, device=probs.device)
     pending = torch.arange(probs.shape[0], device=probs.device)
@@ -113,6 +115,8 @@ def _draw_truncated(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tenso
         num = min(vocab, max(count, int(torch.where(ks < vocab, ks, 0).max()) + 1))
         vals, idx = torch.topk(_rows(probs, pending), num, dim=-1)  # [R, num] descending
         thr, settled = _cut(vals, ks, top_p[pending], num == vocab)
+        floor = min_p[pending].to(vals.dtype) * vals[:, 0]  # 0 where min-p is off
+        thr, settled = torch.maximum(thr, floor), settled | (vals[:, -1] < floor)
         done = pending[settled]
         keep = vals[settled] >= thr[settled, None]
         ids, order = torch.where(keep, idx[settled], vocab).sort(dim=-1)  # kept ids ascending, then padding
@@ -134,14 +138,15 @@ def _sample_rows(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     top_p = torch.tensor([p.top_p for p in params], dtype=torch.float64, device=device)
     u = torch.tensor([draw_uniform(s.sample_seed, s.sample_index, s.num_tokens) for s in seqs],
                      dtype=torch.float64, device=device)
+    min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device)
     probs = _probs(logits.float(), temperature)
     tokens = torch.empty(len(seqs), dtype=torch.long, device=device)
-    truncated = (top_k < vocab) | (top_p < 1.0)
+    truncated = (top_k < vocab) | (top_p < 1.0) | (min_p > 0.0)
     full, part = torch.nonzero(~truncated)[:, 0], torch.nonzero(truncated)[:, 0]
     if full.numel():
         tokens[full] = _search(_rows(probs, full), u[full])
     if part.numel():
-        tokens[part] = _draw_truncated(_rows(probs, part), top_k[part], top_p[part], u[part])
+        tokens[part] = _draw_truncated(_rows(probs, part), top_k[part], top_p[part], min_p[part], u[part])
     return tokens
 
 

@@ -68,10 +68,12 @@ _Choice = Annotated[str, Field(min_length=1, max_length=1024)]
 
 
 class _SamplingFields(_Strict):
-    """Fields both endpoints share. Beyond OpenAI's, three extensions as vLLM has them:
+    """Fields both endpoints share. Beyond OpenAI's, extensions as vLLM has them:
 
     Attributes:
         top_k: Sample from the k most likely tokens only; 0 or -1 disables.
+        min_p: In [0, 1]: sample only from tokens at least this fraction as likely as the most likely one;
+            0 disables.
         ignore_eos: Keep generating past the end-of-sequence token, up to ``max_tokens`` (benchmarks use
             it to generate an exact number of tokens).
         min_tokens: Generate at least this many tokens: until then neither the end-of-sequence token nor a
@@ -90,6 +92,7 @@ class _SamplingFields(_Strict):
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=-1, le=1000)  # extension
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)  # extension
     seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
     stop: _Stop | Annotated[list[_Stop], Field(max_length=4)] | None = None
     stream: bool = False

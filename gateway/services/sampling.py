@@ -61,6 +61,7 @@ def sampling_params(
             temperature=req.temperature,
             top_p=req.top_p,
             top_k=req.top_k,
+            min_p=req.min_p,
             seed=_seed(req),
             stop=req.stop_list or None,
             ignore_eos=req.ignore_eos,

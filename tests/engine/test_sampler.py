@@ -65,14 +65,39 @@ def test_draws_follow_the_tempered_distribution(temperature):
     (3, 0.85, [0, 1, 2]),
 ])
 def test_top_k_and_top_p_keep_exactly_the_spec_tokens(top_k, top_p, kept):
-    params = SamplingParams(temperature=1.0, top_k=top_k, top_p=top_p)
+    _assert_keeps(SamplingParams(temperature=1.0, top_k=top_k, top_p=top_p), kept)
+
+
+def _assert_keeps(params: SamplingParams, kept: list[int]) -> None:
+    """4,000 draws of ``params`` over PROBS give exactly the ``kept`` tokens, in proportion to their
+    renormalized probabilities."""
     seqs = [_seq(params, seed) for seed in range(4000)]
     tokens, _ = sample(LOGITS.expand(len(seqs), -1).contiguous(), seqs)
     counts = _counts(tokens, 6)
     assert [t for t, c in enumerate(counts) if c] == kept
     mass = sum(PROBS[t] for t in kept)
-    if len(kept) > 1:  # and the kept tokens in proportion to their renormalized probabilities
+    if len(kept) > 1:
         assert _chi2([counts[t] for t in kept], [PROBS[t] / mass for t in kept]) < CHI2_999[len(kept) - 1]
+
+
+@pytest.mark.parametrize(("min_p", "top_p", "kept"), [
+    (0.0, 1.0, [0, 1, 2, 3, 4, 5]),
+    (0.3, 1.0, [0, 1, 2]),           # 0.4 * 0.3 = 0.12: 0.15 stays, 0.1 goes
+    (0.24, 1.0, [0, 1, 2, 3]),       # 0.096: 0.1 stays, 0.06 goes
+    (0.5, 1.0, [0, 1]),
+    (1.0, 1.0, [0]),
+    (0.3, 0.5, [0, 1]),              # top-p first (0.4 before the third reaches 0.5), then min-p
+])
+def test_min_p_keeps_the_tokens_at_least_that_fraction_as_likely_as_the_first(min_p, top_p, kept):
+    _assert_keeps(SamplingParams(temperature=1.0, min_p=min_p, top_p=top_p), kept)
+
+
+def test_min_p_out_of_range_is_refused():
+    from engine.errors import InvalidRequestError
+
+    for bad in (-0.1, 1.5, float("nan"), True):
+        with pytest.raises(InvalidRequestError, match="min_p"):
+            SamplingParams(min_p=bad)
 
 
 def test_tokens_tied_with_the_kth_are_kept():
@@ -121,13 +146,15 @@ def test_full_vocabulary_truncation_matches_a_full_sort():
 
 
 def _mixed_batch(num: int) -> tuple[torch.Tensor, list[Sequence]]:
-    """Rows of every kind: greedy, tempered, top-k, top-p, both, n > 1 siblings, logprobs or not."""
+    """Rows of every kind: greedy, tempered, top-k, top-p, min-p, all three, n > 1 siblings, logprobs or
+    not."""
     gen = torch.Generator().manual_seed(7)
     logits = torch.randn(num, 49152, generator=gen) * 3.0
     kinds = [dict(temperature=0.0), dict(temperature=1.0), dict(temperature=0.7, top_p=0.95),
              dict(temperature=1.3, top_k=40), dict(temperature=1.0, top_k=500, top_p=0.9, logprobs=3),
              dict(temperature=1.0, logprobs=0), dict(temperature=0.0, top_k=5, logprobs=2),
-             dict(temperature=2.0, top_p=0.5)]
+             dict(temperature=2.0, top_p=0.5), dict(temperature=1.0, min_p=0.05),
+             dict(temperature=1.5, top_k=50, top_p=0.9, min_p=0.2)]
     seqs = [_seq(SamplingParams(**kinds[i % len(kinds)]), seed=1000 + i // 2, position=20 + 3 * i,
                  sample_index=i % 2)
             for i in range(num)]

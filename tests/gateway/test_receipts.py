@@ -110,8 +110,9 @@ async def test_a_callers_seed_is_recorded_as_given(gw: Gateway) -> None:
 
 # Every recorded SamplingParams field away from its default, so a round trip shows each one survives.
 EVERY_PARAMETER = SamplingParams(
-    n=2, max_tokens=9, temperature=0.7, top_p=0.9, top_k=5, seed=12345, stop=["END"], stop_token_ids=[7],
-    ignore_eos=True, min_tokens=3, logprobs=None, skip_special_tokens=False, determinism="fixed",
+    n=2, max_tokens=9, temperature=0.7, top_p=0.9, top_k=5, min_p=0.05, seed=12345, stop=["END"],
+    stop_token_ids=[7], ignore_eos=True, min_tokens=3, logprobs=None, skip_special_tokens=False,
+    determinism="fixed",
     presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.2, logit_bias={1000: 100.0, 3: -2.5},
 )
 # A request.finished receipt as written before receipts held every parameter (version 1).

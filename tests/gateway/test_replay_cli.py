@@ -154,6 +154,7 @@ TOKEN_DECIDING = {
     "penalties": {"temperature": 1.0, "seed": 7, "presence_penalty": 2.0, "frequency_penalty": 2.0,
                   "repetition_penalty": 2.0},
     "logit_bias": {"temperature": 0, "logit_bias": {"1000": 100}},
+    "min_p": {"temperature": 1.5, "seed": 11, "min_p": 0.3, "top_p": 0.95},
     "json_schema": {"temperature": 0, "response_format": {"type": "json_schema", "json_schema": {
         "name": "answer",
         "schema": {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},

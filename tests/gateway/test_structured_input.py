@@ -72,6 +72,8 @@ BAD_CHAT = [
     ({"frequency_penalty": -3}, "frequency_penalty", "invalid_value"),
     ({"repetition_penalty": 0}, "repetition_penalty", "invalid_value"),
     ({"repetition_penalty": 2.5}, "repetition_penalty", "invalid_value"),
+    ({"min_p": -0.1}, "min_p", "invalid_value"),
+    ({"min_p": 1.5}, "min_p", "invalid_value"),
     ({"guided_json": SCHEMA, "guided_regex": "a+"}, "guided_regex", None),
     ({"response_format": {"type": "json_object"}, "guided_json": SCHEMA}, "guided_json", None),
     ({"guided_json": "not json"}, "guided_json", "invalid_value"),
