@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated
@@ -18,17 +17,11 @@ from audit.retention import RetentionStore, resolve_master_key
 from audit.store import AuditStore, AuditUnavailable
 from audit.verify import verify_bundle
 from gateway.cli.app import app
-from gateway.cli.common import cli_actor
-from gateway.storage.db import default_db_url, normalize_db_url
+from gateway.cli.common import build_settings, cli_actor
 
 audit_app = typer.Typer(name="audit", help="Tamper-evident audit trail: export, verify, purge.",
                         no_args_is_help=True)
 app.add_typer(audit_app, name="audit")
-
-
-def default_data_dir() -> Path:
-    env = os.environ.get("KVGATE_DATA_DIR")
-    return Path(env) if env else Path.home() / ".local" / "share" / "kvgate"
 
 
 DataDir = Annotated[Path | None, typer.Option("--data-dir", help="Data dir (default $KVGATE_DATA_DIR "
@@ -38,8 +31,9 @@ DbUrl = Annotated[str | None, typer.Option("--db-url", envvar="KVGATE_DB_URL",
 
 
 def _resolve(data_dir: Path | None, db_url: str | None) -> tuple[Path, str]:
-    data = data_dir or default_data_dir()
-    return data, normalize_db_url(db_url) if db_url else default_db_url(data)
+    """The data directory and database URL: the flags, else the settings ``kvgate serve`` reads."""
+    settings = build_settings(data_dir=data_dir, db_url=db_url)
+    return settings.data_dir, settings.database_url
 
 
 def _parse_when(value: str | None) -> datetime | None:
@@ -168,7 +162,7 @@ def purge_retention_cmd(data_dir: DataDir = None, db_url: DbUrl = None) -> None:
 @audit_app.command("public-key")
 def public_key_cmd(data_dir: DataDir = None) -> None:
     """Print the audit signing public key (PEM) and its fingerprint."""
-    data = data_dir or default_data_dir()
+    data = build_settings(data_dir=data_dir).data_dir
     keys = load_or_create_keys(data)
     typer.echo((data / PUBLIC_KEY_FILE).read_text().rstrip())
     typer.echo(keys.fingerprint)
