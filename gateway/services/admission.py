@@ -6,6 +6,7 @@ import asyncio
 import secrets
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -101,16 +102,17 @@ def _namespace(decision: Decision, principal: Principal, salt: str | None) -> by
     return namespace if salt is None else namespace + b"|s:" + salt.encode()
 
 
-def _check_mode_available(engine: Any, mode: str, requested: str | None) -> None:
-    """A mode the policy allows but this engine cannot serve (not configured, or batch_invariant whose
-    kernels or self-check failed at start-up) is the caller's 400, answered before any quota is reserved.
-    The engine's reason stays in the server log: it may name paths and compiler output."""
-    served = engine.determinism.modes
+def _check_mode_available(served: Sequence[str], bi_error: str | None, mode: str,
+                          requested: str | None) -> None:
+    """A mode the policy allows but what serves the model cannot (the engine: not configured, or
+    batch_invariant whose kernels or self-check failed at start-up, ``bi_error``; an upstream pool:
+    ``fast`` alone) is the caller's 400, answered before any quota is reserved. The engine's reason stays
+    in the server log: it may name paths and compiler output."""
     if mode in served:
         return
     whose = "The requested" if requested is not None else "This tenant's default"
     why = ""
-    if mode == "batch_invariant" and engine.determinism.bi_error:
+    if mode == "batch_invariant" and bi_error:
         why = " (it could not be enabled when the server started; the server log says why)"
     raise InvalidRequest(
         f"{whose} determinism mode '{mode}' is not available on this server{why}; "
@@ -185,8 +187,11 @@ async def _decide(
     if decision.violation is not None:
         v = decision.violation
         raise PolicyViolation(v.message, status=v.status, code=v.code, param=v.param)
-    _check_mode_available(rt.engine if target is None else UPSTREAM_MODES, decision.determinism,
-                          req.determinism)
+    if target is None:
+        served, bi_error = rt.engine.determinism.modes, rt.engine.determinism.bi_error
+    else:
+        served, bi_error = UPSTREAM_MODES, None
+    _check_mode_available(served, bi_error, decision.determinism, req.determinism)
     return prompt_ids, decision
 
 

@@ -37,19 +37,8 @@ class UpstreamCall:
     affinity: bytes | None
 
 
-@dataclass(frozen=True, slots=True)
-class _Modes:
-    modes: tuple[str, ...]
-    bi_error: str | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class _UpstreamModes:
-    determinism: _Modes
-
-
-# The determinism modes of an upstream, as admission asks an engine: ``fast`` alone (no replay promised).
-UPSTREAM_MODES = _UpstreamModes(_Modes(("fast",)))
+# The determinism modes an upstream pool serves: ``fast`` alone (no replay promised).
+UPSTREAM_MODES: tuple[str, ...] = ("fast",)
 
 
 def prepare(target: Target, req: ChatCompletionRequest | CompletionRequest, kind: RequestKind,
