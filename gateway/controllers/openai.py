@@ -28,6 +28,7 @@ from gateway.schemas.responses import (
 from gateway.services import completions
 from gateway.services.keys import Principal
 from gateway.services.tenants import current_policy
+from gateway.upstream.call import UPSTREAM_MODES
 
 
 async def _complete(
@@ -64,7 +65,7 @@ async def _model_cards(runtime: Runtime, principal: Principal) -> list[dict[str,
             policy = await current_policy(session, principal.tenant_id, runtime.settings.default_policy)
     engine = runtime.engine
     cards = [_model_card(engine.model_name, list(engine.determinism.modes))]
-    cards += [_model_card(name, ["fast"]) for name in sorted(runtime.routes.targets)]
+    cards += [_model_card(name, list(UPSTREAM_MODES)) for name in sorted(runtime.routes.targets)]
     allowed = policy.allowed_models
     return [c for c in cards if allowed is None or c["id"] in allowed]
 

@@ -114,6 +114,9 @@ async def test_v1_models_lists_what_the_policy_allows(agw, tiny_model_dir):
     assert [m["id"] for m in (await c.get("/v1/models", headers=auth)).json()["data"]] == ["up-a"]
     assert (await c.get(f"/v1/models/{engine_model}", headers=auth)).status_code == 404
     assert (await c.get("/v1/models/up-a", headers=auth)).json()["determinism_modes"] == ["fast"]
+    body = {"model": "up-a", "prompt": "hello", "max_tokens": 2, "determinism": "fixed"}
+    r = await c.post("/v1/completions", headers=auth, json=body)  # refused before any replica is asked
+    assert r.status_code == 400 and r.json()["error"]["code"] == "determinism_unavailable", r.text
 
 
 @ON_SHARED
