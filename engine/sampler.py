@@ -141,10 +141,18 @@ def _sample_rows(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device)
     probs = _probs(logits.float(), temperature)
     tokens = torch.empty(len(seqs), dtype=torch.long, device=device)
-    truncated = (top_k < vocab) | (top_p < 1.0) | (min_p > 0.0)
-    full, part = torch.nonzero(~truncated)[:, 0], torch.nonzero(truncated)[:, 0]
+    truncated = (top_k < vocab) | (top_p < 1.0)
+    # min-p alone needs no ranking: its kept tokens are those above its floor, in vocabulary order (the
+    # truncated path's cut, without sorting the vocabulary when the floor lies below every candidate)
+    floored = (min_p > 0.0) & ~truncated
+    full = torch.nonzero(~truncated & ~floored)[:, 0]
+    floor_rows, part = torch.nonzero(floored)[:, 0], torch.nonzero(truncated)[:, 0]
     if full.numel():
         tokens[full] = _search(_rows(probs, full), u[full])
+    if floor_rows.numel():
+        rows = _rows(probs, floor_rows)
+        floor = min_p[floor_rows, None].to(rows.dtype) * rows.amax(dim=-1, keepdim=True)
+        tokens[floor_rows] = _search(torch.where(rows >= floor, rows, 0.0), u[floor_rows])
     if part.numel():
         tokens[part] = _draw_truncated(_rows(probs, part), top_k[part], top_p[part], min_p[part], u[part])
     return tokens

@@ -241,3 +241,21 @@ def test_row_by_row_prefix_sums_are_the_bits_of_the_batched_ones(rows):
     w = torch.softmax(torch.randn(rows, 49152, generator=g) * 4, dim=-1)
     w[:, ::5] = 0.0  # dropped tokens
     assert torch.equal(_cumsum64(w), w.cumsum(dim=-1, dtype=torch.float64))
+
+
+def test_min_p_alone_draws_the_tokens_the_ranked_cut_would():
+    """A row with min-p and neither top-k nor top-p skips the ranking (its kept tokens are those above its
+    floor); its token is the one the ranked cut over the same probabilities gives."""
+    from engine.sampler import _draw_truncated, _probs
+
+    gen = torch.Generator().manual_seed(11)
+    logits = torch.randn(24, 49152, generator=gen) * 3.0
+    seqs = [_seq(SamplingParams(temperature=1.3, min_p=m), seed=i, position=9 + i)
+            for i, m in enumerate([0.001, 0.05, 0.3] * 8)]
+    tokens, _ = sample(logits, seqs)
+    probs = _probs(logits.float(), torch.full((24, 1), 1.3))
+    u = torch.tensor([draw_uniform(s.sample_seed, s.sample_index, s.num_tokens) for s in seqs],
+                     dtype=torch.float64)
+    ranked = _draw_truncated(probs, torch.full((24,), 49152), torch.ones(24, dtype=torch.float64),
+                             torch.tensor([s.params.min_p for s in seqs]), u)
+    assert tokens == ranked.tolist()
