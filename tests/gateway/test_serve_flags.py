@@ -28,3 +28,14 @@ def test_a_setting_with_a_closed_set_of_values_refuses_others_before_anything_st
     result = CliRunner().invoke(app, ["serve", "--kv-cache-dtype", "int3"])
     assert result.exit_code == 2 and "int3" in result.output
     assert "fp8" in result.output  # the values it takes are named
+
+
+def test_python_dash_m_kvgate_is_the_kvgate_command():
+    # Where the console script is not on PATH (a machine given the source tree alone): `python -m kvgate`.
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "kvgate", "serve", "--help"], capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    assert "Usage: kvgate serve" in done.stdout and "--device" in done.stdout
