@@ -10,9 +10,10 @@ from litestar.types import Receive, Scope, Send
 from audit.context import bind_request_context, clear_request_context
 from gateway.audit_hook import DeferredEvent
 from gateway.errors import AuthError
+from gateway.principal import Principal
 from gateway.runtime import Runtime
 from gateway.services.auth_failures import THROTTLED, AuthFailureLimits, AuthFailures
-from gateway.services.keys import Principal, authenticate
+from gateway.services.keys import authenticate
 from gateway.services.ratelimit import exceeded
 
 PUBLIC_PATHS = ["^/healthz$", "^/readyz$"]

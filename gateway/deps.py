@@ -8,8 +8,8 @@ from litestar import Request
 from litestar.datastructures import State
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from gateway.principal import Principal
 from gateway.runtime import Runtime
-from gateway.services.keys import Principal
 
 
 def provide_runtime(state: State) -> Runtime:

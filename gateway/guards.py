@@ -13,6 +13,7 @@ from litestar.connection import ASGIConnection
 from litestar.handlers.base import BaseRouteHandler
 
 from gateway.errors import Forbidden
+from gateway.principal import Principal
 from gateway.schemas.admin import (
     ADMIN_READ,
     AUDIT_EXPORT,
@@ -24,7 +25,6 @@ from gateway.schemas.admin import (
     TENANTS_WRITE,
     TOKENS_WRITE,
 )
-from gateway.services.keys import Principal
 
 _TENANT = "/admin/v1/tenants/{tenant_id}"
 # The scope each admin route needs, by (method, route template): the one authorization table (docs/

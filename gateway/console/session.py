@@ -21,8 +21,8 @@ from sqlalchemy.dialects import postgresql, sqlite
 
 from audit.prepared import execute
 from gateway.clock import as_utc, utcnow
+from gateway.principal import Principal
 from gateway.secrets import Hasher
-from gateway.services.keys import Principal
 from gateway.storage.models import AdminToken, ConsoleSignOut
 
 COOKIE = "__Host-kvgate_console"  # __Host-: Secure, Path=/ and no Domain, enforced by the browser

@@ -10,6 +10,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from gateway.body import parse_body
 from gateway.guards import requires_admin
 from gateway.openapi import Body, Reply, route_doc
+from gateway.principal import Principal
 from gateway.runtime import Runtime
 from gateway.schemas.admin import (
     AdminTokenCreate,
@@ -28,7 +29,6 @@ from gateway.schemas.admin import (
 )
 from gateway.services import admin_tokens, keys, tenants, usage
 from gateway.services.admin_audit import AdminActor
-from gateway.services.keys import Principal
 
 
 def _by(runtime: Runtime, principal: Principal) -> AdminActor:

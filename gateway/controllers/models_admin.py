@@ -12,11 +12,11 @@ from gateway.body import parse_body
 from gateway.errors import InvalidRequest
 from gateway.guards import requires_admin
 from gateway.openapi import route_doc
+from gateway.principal import Principal
 from gateway.runtime import Runtime
 from gateway.schemas.routes import MODEL_NAME_PATTERN, ModelOut, RouteOut, RoutePut
 from gateway.services import routes
 from gateway.services.admin_audit import AdminActor
-from gateway.services.keys import Principal
 from gateway.services.routes import SEALING_LABEL
 from gateway.upstream.table import load_route_tokenizer
 

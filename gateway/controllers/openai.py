@@ -15,6 +15,7 @@ from gateway.body import parse_body
 from gateway.errors import NotFound
 from gateway.guards import requires_tenant
 from gateway.openapi import Body, Reply, route_doc
+from gateway.principal import Principal
 from gateway.runtime import Runtime
 from gateway.schemas.openai import ChatCompletionRequest, CompletionRequest, RequestKind
 from gateway.schemas.responses import (
@@ -26,7 +27,6 @@ from gateway.schemas.responses import (
     TextCompletionChunk,
 )
 from gateway.services import completions
-from gateway.services.keys import Principal
 from gateway.services.tenants import current_policy
 from gateway.upstream.call import UPSTREAM_MODES
 

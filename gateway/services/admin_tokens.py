@@ -10,10 +10,11 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from gateway.audit_hook import AuditHook
 from gateway.clock import as_utc, utcnow
 from gateway.errors import Forbidden, NotFound
+from gateway.principal import Principal
 from gateway.schemas.admin import AdminTokenCreate, AdminTokenCreated, AdminTokenOut
 from gateway.secrets import Hasher
 from gateway.services.admin_audit import AdminActor
-from gateway.services.keys import Principal, expiry, new_admin_token
+from gateway.services.keys import expiry, new_admin_token
 from gateway.storage.models import AdminToken
 
 TOKEN_CREATED = "admin.admin_token_created"

@@ -14,10 +14,10 @@ from audit.context import bind_request_context, register_sensitive
 from engine import SamplingParams, TenantShare
 from gateway.audit_hook import AuditUnavailableError, DeferredEvent, chain_steps
 from gateway.errors import InvalidRequest, PolicyViolation
+from gateway.principal import Principal
 from gateway.runtime import Runtime
 from gateway.schemas.openai import ChatCompletionRequest, CompletionRequest, RequestKind
 from gateway.services import retention
-from gateway.services.keys import Principal
 from gateway.services.overload import EnginePlace
 from gateway.services.prompt_tokens import (  # kvgate replay and the benchmarks import these from here
     chat_token_ids,

@@ -13,8 +13,8 @@ from audit.export import ExportSpec, stream_bundle_tar
 from audit.store import AuditUnavailable, format_ts
 from gateway.audit_hook import AuditUnavailableError
 from gateway.errors import InvalidRequest, ServiceUnavailable
+from gateway.principal import Principal
 from gateway.runtime import Runtime
-from gateway.services.keys import Principal
 from gateway.storage.models import Tenant
 
 

@@ -26,10 +26,10 @@ from gateway.errors import (
     ShuttingDown,
     error_body,
 )
+from gateway.principal import Principal
 from gateway.runtime import Runtime
 from gateway.schemas.openai import ChatCompletionRequest, CompletionRequest, RequestKind
 from gateway.services.admission import Admission, admit, gate
-from gateway.services.keys import Principal
 from gateway.services.settlement import Progress, finish, finish_soon, settle_unstarted, until_committed
 from gateway.tool_calls import CallParser
 from gateway.upstream import backend as upstream_backend

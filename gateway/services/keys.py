@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 from sqlalchemy import Connection, bindparam, select
@@ -11,6 +10,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from audit.prepared import execute
 from gateway.clock import as_utc, utcnow
 from gateway.errors import AuthError, InvalidRequest, NotFound
+from gateway.principal import Principal
 from gateway.schemas.admin import (
     ADMIN_SCOPES,
     LEGACY_SCOPES,
@@ -23,35 +23,11 @@ from gateway.secrets import ADMIN_PREFIX, TENANT_PREFIX, Hasher, new_token, pars
 from gateway.services.admin_audit import AdminActor
 from gateway.services.tenants import get_tenant_row, parse_policy
 from gateway.storage.models import AdminToken, ApiKey, PolicyVersion, Tenant
-from policies import Policy
 
 _DUMMY_HASH = "0" * 64
 KEY_CREATED = "admin.key_created"
 KEY_REVOKED = "admin.key_revoked"
 KEY_ROTATED = "admin.key_rotated"
-
-
-@dataclass(frozen=True, slots=True)
-class Principal:
-    """Who is calling. ``kind`` is ``tenant`` (an API key) or ``admin`` (an admin token).
-
-    ``scopes`` are what an admin token may do (``gateway.schemas.admin``); ``expires_at`` when it lapses.
-    ``policy`` is the tenant's policy as read together with the key (``None``: not read, or no policy).
-    """
-
-    kind: str
-    key_id: str
-    tenant_id: str | None = None
-    scopes: frozenset[str] = frozenset()
-    policy: Policy | None = field(default=None, compare=False)
-    expires_at: datetime | None = None
-
-    @property
-    def is_admin(self) -> bool:
-        return self.kind == "admin"
-
-    def has_scope(self, scope: str) -> bool:
-        return self.is_admin and scope in self.scopes
 
 
 def key_to_schema(k: ApiKey) -> KeyOut:

@@ -16,10 +16,10 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from audit.retention import RecordInfo, RecordUnreadable
 from gateway.clock import as_utc
 from gateway.errors import InvalidRequest, NotFound
+from gateway.principal import Principal
 from gateway.runtime import Runtime
 from gateway.schemas.audit import PurgeOut, RetainedInfo, RetainedRecordOut, ShredOut
 from gateway.schemas.openai import ChatCompletionRequest, CompletionRequest
-from gateway.services.keys import Principal
 from gateway.services.tenants import get_tenant_row
 
 log = structlog.get_logger()

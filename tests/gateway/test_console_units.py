@@ -17,9 +17,9 @@ from gateway.console.policies import diff
 from gateway.console.session import SessionSigner
 from gateway.console.views import EXCEPTION_HANDLERS
 from gateway.errors import Conflict
+from gateway.principal import Principal
 from gateway.schemas.admin import KeyCreate, PolicyOut, UsageRow
 from gateway.secrets import Hasher
-from gateway.services.keys import Principal
 from policies import Policy
 
 ADMIN = Principal(kind="admin", key_id="ab" * 8, scopes=frozenset({"admin:read", "keys:write"}))

@@ -9,8 +9,8 @@ from gateway.app import create_app
 from gateway.audit_hook import AuditHook, AuditUnavailableError
 from gateway.errors import Forbidden
 from gateway.guards import requires_admin, requires_tenant
+from gateway.principal import Principal
 from gateway.schemas.admin import ADMIN_READ, ADMIN_SCOPES, TENANTS_WRITE
-from gateway.services.keys import Principal
 from policies import Policy
 
 from .conftest import make_settings
