@@ -33,7 +33,7 @@ SERVICE_STOPPED = "service.stopped"
 _REQUEST_COMMON = ("model", "num_prompt_tokens", "prompt_hash", "determinism", "policy_version")
 # request.finished's determinism receipt: what ``kvgate replay`` needs besides the prompt and the structured
 # output's spec, which the caller gives again. Its parameters are the engine's SamplingParams fields by
-# name (gateway/services/receipts.py walks them; a test holds this list to that walk), never content: a
+# name (gateway/inference/receipts.py walks them; a test holds this list to that walk), never content: a
 # structured output is its kind and keyed hash.
 RECEIPT_FIELDS = frozenset({
     "receipt_version", "kind", "model", "determinism", "system_fingerprint", "prompt_hash", "arrival_step",

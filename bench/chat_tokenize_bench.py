@@ -4,7 +4,7 @@ the segment cache, in one run.
 A chat client resends its whole history every turn. Each turn adds a user message (and, after it, the
 assistant's answer) cut from real text; both peers tokenize the same rendered prompt with admission's own
 code (``chat_token_ids``): ``whole`` encodes all of it, ``segments`` reuses what the namespace sent
-before (``gateway.services.segment_cache``). Their ids must be equal. Each turn is timed ``repeats``
+before (``gateway.text.segment_cache``). Their ids must be equal. Each turn is timed ``repeats``
 times on fresh conversations (new namespaces, so every repeat pays for its new message once); the table
 shows the median per turn.
 """
@@ -39,9 +39,9 @@ def _conversation(words: list[str], rng: random.Random, turns: int, user_words: 
 def run_chat_tokenize_bench(tokenizer: Any, *, turns: int = 20, repeats: int = 5, user_words: int = 40,
                             answer_words: int = 120, seed: int = 0) -> list[dict[str, Any]]:
     """Rows per turn: prompt tokens and the median milliseconds of each peer."""
+    from gateway.inference.admission import chat_token_ids
     from gateway.schemas.openai import ChatCompletionRequest
-    from gateway.services.admission import chat_token_ids
-    from gateway.services.segment_cache import SegmentCache
+    from gateway.text.segment_cache import SegmentCache
 
     rng, words = random.Random(seed), corpus_text().split()
     cache = SegmentCache(tokenizer)

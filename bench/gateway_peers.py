@@ -27,8 +27,8 @@ Call = Callable[[Work], Awaitable[None]]
 
 async def make_work(tokenizer: Any, model_name: str, num_requests: int, seed: int) -> list[Work]:
     """Chat requests over real text (16..64 tokens), tokenized by the gateway's own admission code."""
+    from gateway.inference.admission import tokenize
     from gateway.schemas.openai import ChatCompletionRequest
-    from gateway.services.admission import tokenize
 
     out = []
     for r in standard_workload(tokenizer, num_requests, seed, prompt_range=(16, 64), new_range=(1, 1)):

@@ -17,11 +17,11 @@ import httpx
 import gateway
 from gateway.audit_hook import AuditHook
 from gateway.secrets import Hasher, load_or_create_pepper
-from gateway.services import keys, tenants
-from gateway.services.admin_audit import AdminActor
 from gateway.settings import Settings
 from gateway.storage import migrate
 from gateway.storage.db import make_db_engine, make_sessionmaker
+from gateway.tenancy import keys, tenants
+from gateway.tenancy.admin_audit import AdminActor
 from policies import Policy
 
 ROOT = Path(gateway.__file__).resolve().parents[1]

@@ -48,8 +48,8 @@ def _admit(tokenizer: Any, fields: dict[str, Any]) -> tuple[Any, str | None, flo
     """The request's constraint as the gateway admits it, or why it is refused, and the seconds taken
     (for an admitted spec, mostly its compile: the cache is cold)."""
     from gateway.errors import ClientError
+    from gateway.inference.structured import check_compiles, constraint
     from gateway.schemas.openai import ChatCompletionRequest
-    from gateway.services.structured import check_compiles, constraint
     from policies import Policy
 
     body = {"model": "m", "messages": [{"role": "user", "content": "Go."}]} | fields

@@ -61,10 +61,10 @@ async def _upstream_key(settings: Any) -> str:
     """A tenant of the upstream for the front gateway, trusting its salts, and its key."""
     from gateway.audit_hook import AuditHook
     from gateway.secrets import Hasher, load_or_create_pepper
-    from gateway.services import keys, tenants
-    from gateway.services.admin_audit import AdminActor
     from gateway.storage import migrate
     from gateway.storage.db import make_db_engine, make_sessionmaker
+    from gateway.tenancy import keys, tenants
+    from gateway.tenancy.admin_audit import AdminActor
 
     await migrate.upgrade(settings.database_url)
     db, by = make_db_engine(settings.database_url), AdminActor(AuditHook(lambda name, fields: None), "bench")
@@ -87,9 +87,10 @@ async def _add_route(settings: Any, upstream_url: str, upstream_model: str, api_
     from gateway.audit_hook import AuditHook
     from gateway.schemas.routes import RoutePut, UpstreamRoute
     from gateway.secrets import Hasher, load_or_create_pepper
-    from gateway.services.admin_audit import AdminActor
-    from gateway.services.routes import SEALING_LABEL, put_route
     from gateway.storage.db import make_db_engine, make_sessionmaker
+    from gateway.tenancy.admin_audit import AdminActor
+    from gateway.tenancy.routes import put_route
+    from gateway.upstream.stored import SEALING_LABEL
 
     route = UpstreamRoute(kind="kvgate", urls=(upstream_url,), upstream_model=upstream_model,
                           tokenizer=settings.model, max_model_len=2048)

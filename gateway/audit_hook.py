@@ -8,12 +8,12 @@ Events (``name`` → fields; never prompts, completions or secrets):
     request.rejected                request_id, tenant_id, key_id, code, status
     request.finished                request_id, tenant_id, key_id, finish_reasons, num_prompt_tokens,
                                     num_completion_tokens, num_cached_tokens, is_aborted, and the
-                                    determinism receipt (gateway/services/receipts.py): kind, model,
+                                    determinism receipt (gateway/inference/receipts.py): kind, model,
                                     determinism, system_fingerprint, prompt_hash, every sampling
                                     parameter by name, structured_kind and structured_hash,
                                     arrival_step, token_hashes (fixed/batch_invariant)
     admin.<action>                  actor (admin token id, or "cli:<os user>" for ``kvgate admin``),
-                                    tenant_id, key_id, version, ... (gateway/services/admin_audit.py)
+                                    tenant_id, key_id, version, ... (gateway/tenancy/admin_audit.py)
 """
 
 from __future__ import annotations

@@ -10,11 +10,11 @@ from litestar.types import Receive, Scope, Send
 from audit.context import bind_request_context, clear_request_context
 from gateway.audit_hook import DeferredEvent
 from gateway.errors import AuthError
+from gateway.limits.auth_failures import THROTTLED, AuthFailureLimits, AuthFailures
+from gateway.limits.ratelimit import exceeded
 from gateway.principal import Principal
 from gateway.runtime import Runtime
-from gateway.services.auth_failures import THROTTLED, AuthFailureLimits, AuthFailures
-from gateway.services.keys import authenticate
-from gateway.services.ratelimit import exceeded
+from gateway.tenancy.keys import authenticate
 
 PUBLIC_PATHS = ["^/healthz$", "^/readyz$"]
 # Route ``opt`` flag: the handler records ``auth.success`` in its own first transaction (the admission's),

@@ -58,7 +58,7 @@ class ServiceUnavailable(GatewayError):
 
 
 class EngineOverloaded(ServiceUnavailable):
-    """Every place for a request in the engine is taken (``gateway.services.overload``): the server is
+    """Every place for a request in the engine is taken (``gateway.limits.overload``): the server is
     working as designed, so the refusal is counted, not logged as an error."""
 
     default_code = "engine_overloaded"

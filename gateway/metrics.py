@@ -89,7 +89,7 @@ def _cache_counters(s: Any) -> Iterator[CounterMetricFamily]:
 
 
 class _AdmissionCollector(Collector):
-    """The engine gate's places (``gateway.services.overload``), read at scrape time."""
+    """The engine gate's places (``gateway.limits.overload``), read at scrape time."""
 
     def __init__(self, gate: Any) -> None:
         self._gate = gate

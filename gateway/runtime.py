@@ -13,18 +13,19 @@ from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker
 
 from audit.retention import RetentionStore, resolve_master_key
 from gateway.audit_hook import AuditHook
+from gateway.limits.overload import EngineGate
+from gateway.limits.quota import QuotaService
+from gateway.limits.slots import Slots
 from gateway.metrics import GatewayMetrics
-from gateway.openai_format import TokenText
 from gateway.secrets import Hasher, load_or_create_pepper
-from gateway.services.overload import EngineGate
-from gateway.services.quota import QuotaService
-from gateway.services.segment_cache import SegmentCache
-from gateway.services.slots import Slots
 from gateway.settings import Settings
 from gateway.storage.db import make_db_engine, make_sessionmaker
 from gateway.storage.txn import TxnRunner
+from gateway.text.segment_cache import SegmentCache
+from gateway.text.token_text import TokenText
 from gateway.upstream.call import SALT_LABEL
 from gateway.upstream.client import ReplyLimits
+from gateway.upstream.stored import SEALING_LABEL
 from gateway.upstream.table import RouteTable
 
 if TYPE_CHECKING:
@@ -76,8 +77,6 @@ class Runtime:
         self.overload = EngineGate(s.max_num_seqs, s.max_num_seqs if s.max_queued_requests is None
                                    else s.max_queued_requests, headroom=s.engine_share_headroom)
         self.metrics = GatewayMetrics(lambda: self.engine, self.overload, lambda: self.routes)
-        from gateway.services.routes import SEALING_LABEL
-
         self.routes = RouteTable(self.sessionmaker, self.hasher.derive(SEALING_LABEL),
                                  ReplyLimits.from_settings(s))
         self.salt_key = self.hasher.derive(SALT_LABEL)

@@ -210,3 +210,40 @@ def test_no_module_imports_a_private_name_of_another(import_graph):
     found = import_graph.private_imports
     assert not found, ("make these public (no leading underscore, with a docstring) or move the code:\n"
                        + "\n".join(found))
+
+
+# The gateway's rooms: what the request path's services build on stays below them. ``Runtime`` is the
+# container the services share, so nothing it reaches may be a service (inference, tenancy) or sit above one.
+ABOVE_RUNTIME = ("gateway.inference", "gateway.tenancy", "gateway.controllers", "gateway.console", "gateway.cli",
+                 "gateway.app", "gateway.auth", "gateway.guards", "gateway.deps")
+BELOW_SERVICES = ("gateway.runtime", "gateway.limits", "gateway.text", "gateway.principal")
+
+
+def _reachable(graph: _ImportGraph, start: str) -> dict[str, str]:
+    """Every project module ``start`` imports at any remove, each with the module that imports it."""
+    seen: dict[str, str] = {}
+    queue = deque([start])
+    while queue:
+        node = queue.popleft()
+        for child in graph.edges[node]:
+            if child not in seen and child != start:
+                seen[child] = node
+                queue.append(child)
+    return seen
+
+
+def _in(module: str, rooms: tuple[str, ...]) -> bool:
+    return any(module == r or module.startswith(r + ".") for r in rooms)
+
+
+def test_what_the_services_build_on_imports_no_service(import_graph):
+    bad = []
+    for start in (m for m in import_graph.modules if _in(m, BELOW_SERVICES)):
+        bad += [f"{start} reaches {m} (imported by {by})"
+                for m, by in _reachable(import_graph, start).items() if _in(m, ABOVE_RUNTIME)]
+    assert not bad, "\n".join(bad)
+
+
+def test_the_room_check_sees_a_service_import(import_graph):
+    assert _in("gateway.inference.admission", ABOVE_RUNTIME) and not _in("gateway.inferences", ABOVE_RUNTIME)
+    assert "gateway.runtime" in _reachable(import_graph, "gateway.inference.admission")

@@ -20,10 +20,10 @@ from gateway.cli.common import DataDirOpt, DbUrlOpt, cli_actor, prepared_setting
 from gateway.errors import GatewayError
 from gateway.schemas.admin import ADMIN_SCOPES, MAX_EXPIRES_IN_SECONDS, AdminTokenCreate
 from gateway.secrets import Hasher, load_or_create_pepper
-from gateway.services import admin_tokens, keys, tenants, usage
-from gateway.services.admin_audit import AdminActor
 from gateway.settings import Settings
 from gateway.storage.db import make_db_engine, make_sessionmaker
+from gateway.tenancy import admin_tokens, keys, tenants, usage
+from gateway.tenancy.admin_audit import AdminActor
 from policies import Policy
 
 admin_app = typer.Typer(

@@ -13,7 +13,7 @@ from gateway.cli.app import app
 from gateway.cli.common import DataDirOpt, DbUrlOpt, build_settings, run
 
 if TYPE_CHECKING:
-    from gateway.services.receipts import Receipt
+    from gateway.inference.receipts import Receipt
 
 EXIT_MATCH, EXIT_OUTPUT_DIFFERS, EXIT_CANNOT_REPLAY, EXIT_PROMPT_DIFFERS, EXIT_OTHER_SYSTEM = 0, 1, 2, 3, 4
 _REPLAY_KV_BYTES = 256 << 20  # one request needs little KV; the server's pool size never changes the bits
@@ -102,7 +102,7 @@ async def _find_record(db_url: str, ref: str) -> _Record:
 
 
 def _receipt(record: _Record) -> Receipt:
-    from gateway.services.receipts import Receipt
+    from gateway.inference.receipts import Receipt
 
     data = record.data
     # Checked on the record as stored: a prompt that is a mode's name is scrubbed from the record's words.
@@ -184,7 +184,7 @@ def _structured(data_dir: Path, receipt: Receipt, request: Any, has_body: bool) 
         typer.Exit: It differs from the recorded one (nothing is run).
     """
     from gateway.errors import GatewayError
-    from gateway.services.structured import requested_output
+    from gateway.inference.structured import requested_output
 
     try:
         structured = requested_output(request)
@@ -210,8 +210,8 @@ def _structured(data_dir: Path, receipt: Receipt, request: Any, has_body: bool) 
 def _prompt_ids(settings: Any, request: Any) -> list[int]:
     from engine.loader import load_tokenizer, resolve_model_dir
     from gateway.errors import GatewayError
+    from gateway.inference.admission import chat_token_ids, text_token_ids
     from gateway.schemas.openai import ChatCompletionRequest
-    from gateway.services.admission import chat_token_ids, text_token_ids
 
     tokenizer = load_tokenizer(resolve_model_dir(settings.model))
     try:

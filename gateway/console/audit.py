@@ -18,7 +18,7 @@ from gateway.console.views import SECURITY_HEADERS, page
 from gateway.errors import ClientError
 from gateway.runtime import Runtime
 from gateway.schemas.admin import AUDIT_EXPORT
-from gateway.services import audit_export, tenants
+from gateway.tenancy import audit_export, tenants
 
 
 def exports_of(connection: ASGIConnection) -> ExportFiles:

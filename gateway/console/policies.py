@@ -18,7 +18,7 @@ from gateway.console.views import page, see_other
 from gateway.errors import ClientError
 from gateway.runtime import Runtime
 from gateway.schemas.admin import ADMIN_READ, POLICY_WRITE, PolicyOut, PolicyPut
-from gateway.services import tenants
+from gateway.tenancy import tenants
 
 
 @dataclass(frozen=True, slots=True)

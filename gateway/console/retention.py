@@ -12,10 +12,11 @@ from gateway.console.guard import CONSOLE_SCOPE
 from gateway.console.session import ConsoleSession
 from gateway.console.views import page
 from gateway.errors import ClientError
+from gateway.inference import retention
 from gateway.runtime import Runtime
 from gateway.schemas.admin import ADMIN_READ, RETENTION_READ
 from gateway.schemas.audit import RetainedRecordOut
-from gateway.services import retention, tenants
+from gateway.tenancy import tenants
 
 _LISTED = 100
 

@@ -15,7 +15,7 @@ from gateway.console.views import page, see_other
 from gateway.errors import AuthError
 from gateway.runtime import Runtime
 from gateway.schemas.admin import ADMIN_READ
-from gateway.services.keys import authenticate
+from gateway.tenancy.keys import authenticate
 
 _PATH = "/admin/login"
 _MAX_TOKEN_CHARS = 256

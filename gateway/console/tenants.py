@@ -20,8 +20,8 @@ from gateway.schemas.admin import (
     KeyRotate,
     TenantCreate,
 )
-from gateway.services import keys, tenants
-from gateway.services.admin_audit import AdminActor
+from gateway.tenancy import keys, tenants
+from gateway.tenancy.admin_audit import AdminActor
 
 
 def by(runtime: Runtime, console: ConsoleSession) -> AdminActor:

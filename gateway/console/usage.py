@@ -14,7 +14,7 @@ from gateway.console.views import SECURITY_HEADERS, page
 from gateway.errors import InvalidRequest
 from gateway.runtime import Runtime
 from gateway.schemas.admin import ADMIN_READ
-from gateway.services import tenants, usage
+from gateway.tenancy import tenants, usage
 
 # window shown -> (the stored window it is summed from, how many buckets, their label format)
 _VIEWS = {"hour": ("minute", 48, "%d %H:00"), "day": ("day", 30, "%m-%d")}

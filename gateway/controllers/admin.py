@@ -27,8 +27,8 @@ from gateway.schemas.admin import (
     TenantOut,
     UsageRow,
 )
-from gateway.services import admin_tokens, keys, tenants, usage
-from gateway.services.admin_audit import AdminActor
+from gateway.tenancy import admin_tokens, keys, tenants, usage
+from gateway.tenancy.admin_audit import AdminActor
 
 
 def _by(runtime: Runtime, principal: Principal) -> AdminActor:

@@ -7,12 +7,13 @@ from litestar.response import Stream
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from gateway.guards import requires_admin, requires_scope
+from gateway.inference import retention
 from gateway.openapi import Body, Reply, route_doc
 from gateway.principal import Principal
 from gateway.runtime import Runtime
 from gateway.schemas.audit import PurgeOut, RetainedInfo, RetainedRecordOut, ShredOut
-from gateway.services import audit_export, retention
-from gateway.services.keys import RETENTION_READ
+from gateway.tenancy import audit_export
+from gateway.tenancy.keys import RETENTION_READ
 
 _TAR = "application/x-tar"
 

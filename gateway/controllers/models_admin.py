@@ -15,9 +15,9 @@ from gateway.openapi import route_doc
 from gateway.principal import Principal
 from gateway.runtime import Runtime
 from gateway.schemas.routes import MODEL_NAME_PATTERN, ModelOut, RouteOut, RoutePut
-from gateway.services import routes
-from gateway.services.admin_audit import AdminActor
-from gateway.services.routes import SEALING_LABEL
+from gateway.tenancy import routes
+from gateway.tenancy.admin_audit import AdminActor
+from gateway.upstream.stored import SEALING_LABEL, current_routes
 from gateway.upstream.table import load_route_tokenizer
 
 _NAME = re.compile(MODEL_NAME_PATTERN)
@@ -37,7 +37,7 @@ class ModelsAdminController(Controller):
     @get("/")
     async def list_models(self, session: AsyncSession, runtime: Runtime) -> list[ModelOut]:
         """Every served model: the built-in engine's first, then each route's current version."""
-        rows = [routes.route_to_schema(r) for r in await routes.current_routes(session)]
+        rows = [routes.route_to_schema(r) for r in await current_routes(session)]
         return [ModelOut(name=runtime.engine.model_name, backend="engine")] + [
             ModelOut(name=r.name, backend="upstream", version=r.version, route=r.route,
                      has_api_key=r.has_api_key, warnings=r.warnings) for r in rows]

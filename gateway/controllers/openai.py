@@ -14,6 +14,7 @@ from gateway.auth import DEFER_AUTH_AUDIT
 from gateway.body import parse_body
 from gateway.errors import NotFound
 from gateway.guards import requires_tenant
+from gateway.inference import completions
 from gateway.openapi import Body, Reply, route_doc
 from gateway.principal import Principal
 from gateway.runtime import Runtime
@@ -26,8 +27,7 @@ from gateway.schemas.responses import (
     TextCompletion,
     TextCompletionChunk,
 )
-from gateway.services import completions
-from gateway.services.tenants import current_policy
+from gateway.tenancy.tenants import current_policy
 from gateway.upstream.call import UPSTREAM_MODES
 
 

@@ -1,7 +1,7 @@
 """Bodies the handlers build as plain dicts or bytes (for speed), as models for the OpenAPI document only.
 
-``gateway/openai_format.py`` builds the completion bodies and ``gateway/errors.py`` the errors; these
-models describe them (tests/gateway/test_openapi.py checks real bodies against them) and never run on a
+``gateway/inference/openai_format.py`` builds the completion bodies and ``gateway/errors.py`` the errors;
+these models describe them (tests/gateway/test_openapi.py checks real bodies against them) and never run on a
 request's path.
 """
 

@@ -87,7 +87,7 @@ class GatewayInstance(Base):
 
 
 class TenantInFlight(Base):
-    """Requests of one tenant in flight on one gateway instance (see ``gateway.services.slots``)."""
+    """Requests of one tenant in flight on one gateway instance (see ``gateway.limits.slots``)."""
 
     __tablename__ = "tenant_in_flight"
 

@@ -9,13 +9,13 @@ from typing import Any
 import orjson
 import structlog
 
-from gateway import openai_format as fmt
 from gateway.asgi_io import StreamReply, WholeReply
 from gateway.errors import InvalidRequest, ServiceUnavailable, error_body
+from gateway.inference import openai_format as fmt
+from gateway.inference.admission import Admission
+from gateway.inference.settlement import Progress, finish, until_committed
 from gateway.runtime import Runtime
 from gateway.schemas.openai import RequestKind
-from gateway.services.admission import Admission
-from gateway.services.settlement import Progress, finish, until_committed
 from gateway.upstream.call import UpstreamCall
 from gateway.upstream.client import BUSY_STATUSES, Opened, UpstreamUnavailable
 from gateway.upstream.relay import Relay, UpstreamChoice, UpstreamOutput

@@ -9,10 +9,10 @@ from typing import Any
 
 import structlog
 
-from gateway import openai_format as fmt
+from gateway.inference import openai_format as fmt
+from gateway.inference.admission import Admission
+from gateway.inference.settlement import Progress
 from gateway.runtime import Runtime
-from gateway.services.admission import Admission
-from gateway.services.settlement import Progress
 from gateway.upstream.client import UpstreamReplyError
 from gateway.upstream.table import Target
 

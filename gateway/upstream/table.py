@@ -14,9 +14,9 @@ import structlog
 from sqlalchemy.ext.asyncio import async_sessionmaker
 
 from gateway.schemas.routes import UpstreamRoute
-from gateway.services.routes import current_routes, open_api_key, parse_route
-from gateway.services.segment_cache import SegmentCache
+from gateway.text.segment_cache import SegmentCache
 from gateway.upstream.client import ReplyLimits, UpstreamPool
+from gateway.upstream.stored import current_routes, open_api_key, parse_route
 
 log = structlog.get_logger()
 REFRESH_S = 5.0

@@ -19,12 +19,12 @@ from sqlalchemy import text
 
 from gateway.app import create_app
 from gateway.audit_hook import AuditHook
-from gateway.services import keys, tenants
-from gateway.services.admin_audit import AdminActor
 from gateway.settings import Settings
 from gateway.storage import migrate
 from gateway.storage.db import make_db_engine
 from gateway.storage.txn import TxnRunner
+from gateway.tenancy import keys, tenants
+from gateway.tenancy.admin_audit import AdminActor
 from policies import Policy
 
 if TYPE_CHECKING:

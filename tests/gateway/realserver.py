@@ -19,9 +19,9 @@ import uvicorn
 
 from gateway.app import create_app
 from gateway.cli.serve_cmds import uvicorn_options
-from gateway.services import keys
 from gateway.settings import Settings
 from gateway.storage import migrate
+from gateway.tenancy import keys
 from policies import Policy
 
 from .conftest import PG_HOST, PG_PORT, _create_pg_database, _drop_pg_database, run_sync

@@ -114,9 +114,9 @@ def issue_admin_token(data_dir: Path, db_url: str | None = None) -> str:
     (Unaudited, like the tests' other set-up changes; the bootstrap command is tested on its own.)"""
     from gateway.schemas.admin import ADMIN_SCOPES
     from gateway.secrets import Hasher, load_or_create_pepper
-    from gateway.services import keys
     from gateway.settings import Settings
     from gateway.storage.db import make_db_engine, make_sessionmaker
+    from gateway.tenancy import keys
 
     url = Settings(data_dir=data_dir, db_url=db_url).database_url
 

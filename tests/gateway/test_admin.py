@@ -7,7 +7,7 @@ import io
 import pytest
 
 from gateway.errors import InvalidRequest
-from gateway.services import keys
+from gateway.tenancy import keys
 
 from .conftest import SETUP, open_gateway
 

@@ -16,7 +16,7 @@ from gateway.cli.admin_cmds import admin_app
 from gateway.cli.common import cli_actor
 from gateway.clock import utcnow
 from gateway.schemas.admin import ADMIN_READ, ADMIN_SCOPES
-from gateway.services import keys
+from gateway.tenancy import keys
 
 from .conftest import SETUP, make_settings, open_gateway
 from .test_admin_scopes import _admin_routes

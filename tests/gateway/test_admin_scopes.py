@@ -11,8 +11,8 @@ from gateway.app import create_app
 from gateway.clock import utcnow
 from gateway.guards import ADMIN_ROUTE_SCOPES, requires_admin
 from gateway.schemas.admin import ADMIN_SCOPES, KEYS_WRITE, RETENTION_READ
-from gateway.services import keys
 from gateway.storage.models import AdminToken
+from gateway.tenancy import keys
 
 from .conftest import make_settings, open_gateway
 

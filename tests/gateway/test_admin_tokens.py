@@ -10,7 +10,7 @@ from sqlalchemy import select, text
 from audit.tables import audit_events
 from gateway.cli.common import cli_actor
 from gateway.schemas.admin import ADMIN_READ, ADMIN_SCOPES, KEYS_WRITE, TOKENS_WRITE
-from gateway.services import keys
+from gateway.tenancy import keys
 
 from .conftest import open_gateway
 

@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from gateway.errors import QuotaExceeded
-from gateway.services.prompt_tokens import TokenizePool, longest_token_bytes
+from gateway.inference.prompt_tokens import TokenizePool, longest_token_bytes
 from policies import Policy
 
 from .asgi_calls import call_app, on_app_loop

@@ -135,7 +135,7 @@ async def test_audit_hook_sees_auth_and_admin_events(tmp_path, sqlite_url, llm):
     from litestar.testing import AsyncTestClient
 
     from gateway.app import create_app
-    from gateway.services import keys
+    from gateway.tenancy import keys
 
     from .conftest import make_settings
 

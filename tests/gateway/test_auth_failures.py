@@ -8,7 +8,7 @@ import time
 import pytest
 
 from gateway.audit_hook import AuditHook
-from gateway.services.auth_failures import OTHER_PEERS, AuthFailureLimits, AuthFailures
+from gateway.limits.auth_failures import OTHER_PEERS, AuthFailureLimits, AuthFailures
 
 from .asgi_calls import call_app, on_app_loop
 from .conftest import open_gateway

@@ -11,7 +11,7 @@ import structlog
 from sqlalchemy import inspect, select, text
 
 from audit.logging import configure_logging
-from gateway.services import keys
+from gateway.tenancy import keys
 
 from .conftest import open_gateway
 

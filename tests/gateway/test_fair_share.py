@@ -6,8 +6,8 @@ from __future__ import annotations
 import asyncio
 
 from engine import SamplingParams, TenantShare
+from gateway.inference.admission import _share
 from gateway.principal import Principal
-from gateway.services.admission import _share
 from policies import Policy
 
 

@@ -176,7 +176,7 @@ async def test_policy_change_applies_on_the_next_request(tmp_path, db_url, llm):
 async def test_a_failure_after_the_decision_leaks_no_slot_or_engine_place(one_slot, monkeypatch):
     """What the admission computes from the decision (the tenant's engine share, read from the engine's
     stats, say) fails before the reservation is written, never between it and its settlement."""
-    import gateway.services.admission as admission
+    import gateway.inference.admission as admission
 
     gw, tid, key = one_slot
     with monkeypatch.context() as m:

@@ -173,7 +173,7 @@ def _stop_within_a_token(tokens: list[str]) -> str:
 
 
 def test_sse_payload_is_compact_json():
-    from gateway.openai_format import sse
+    from gateway.inference.openai_format import sse
 
     assert sse({"a": 1}) == b"data: " + orjson.dumps({"a": 1}) + b"\n\n"
 

@@ -18,7 +18,7 @@ from gateway.schemas.responses import (
     TextCompletion,
     TextCompletionChunk,
 )
-from gateway.services import keys
+from gateway.tenancy import keys
 
 COMPLETIONS = {
     "/v1/chat/completions": "ChatCompletionRequest",

@@ -7,8 +7,8 @@ import math
 import pytest
 
 from gateway.errors import EngineOverloaded, QuotaExceeded
-from gateway.services.overload import DrainRate, EngineGate, EnginePlace, retry_after_s
-from gateway.services.ratelimit import TenantGate
+from gateway.limits.overload import DrainRate, EngineGate, EnginePlace, retry_after_s
+from gateway.limits.ratelimit import TenantGate
 from policies import Policy
 
 

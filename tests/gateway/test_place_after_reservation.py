@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from sqlalchemy import select
 
-from gateway.services.overload import EnginePlace
+from gateway.limits.overload import EnginePlace
 from gateway.storage.db import make_db_engine
 from gateway.storage.models import UsageCounter
 from policies import Policy
@@ -71,7 +71,7 @@ async def test_a_place_refused_once_reserved_is_settled_as_never_run(tmp_path, d
 
 
 def test_a_claim_is_given_back_once_whichever_way_its_request_ends() -> None:
-    from gateway.services.overload import EngineGate
+    from gateway.limits.overload import EngineGate
 
     gate = EngineGate(num_running=1, max_queued=0)
     place: EnginePlace = gate.claim("t")

@@ -10,12 +10,12 @@ import pytest
 from sqlalchemy import delete
 
 from gateway.errors import QuotaExceeded
-from gateway.services import tenants
-from gateway.services.quota import QuotaService, Reservation, window_bounds
-from gateway.services.slots import FORGET_AFTER_LEASES, Slots
+from gateway.limits.quota import QuotaService, Reservation, window_bounds
+from gateway.limits.slots import FORGET_AFTER_LEASES, Slots
 from gateway.storage.db import make_db_engine, make_sessionmaker
 from gateway.storage.models import UsageCounter
 from gateway.storage.txn import TxnRunner
+from gateway.tenancy import tenants
 from policies import Policy
 
 from .conftest import SETUP, make_settings

@@ -13,7 +13,7 @@ from audit.events import EVENT_FIELDS, RECEIPT_FIELDS, REQUEST_FINISHED, make_ev
 from audit.redact import Redactor
 from audit.tables import audit_events
 from engine import SamplingParams
-from gateway.services.receipts import (
+from gateway.inference.receipts import (
     NOT_RECORDED,
     RECEIPT_VERSION,
     Receipt,

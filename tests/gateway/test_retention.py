@@ -9,7 +9,7 @@ import pytest
 from sqlalchemy import insert, select, update
 
 from audit.tables import audit_events, retained_prompts
-from gateway.services import keys
+from gateway.tenancy import keys
 from policies import Policy
 
 from .conftest import open_gateway

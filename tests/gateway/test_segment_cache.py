@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from tokenizers import AddedToken
 from transformers import AutoTokenizer
 
-from gateway.services.segment_cache import SegmentCache
+from gateway.text.segment_cache import SegmentCache
 from policies import Policy
 
 from .conftest import open_gateway

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 
 from gateway.errors import EngineOverloaded, QuotaExceeded
-from gateway.services.overload import WAIT_GRACE_S, EngineGate, EnginePlace
-from gateway.services.ratelimit import Hold, TenantGate
+from gateway.limits.overload import WAIT_GRACE_S, EngineGate, EnginePlace
+from gateway.limits.ratelimit import Hold, TenantGate
 from policies import Policy
 
 NOW = 6000.0 + 12.5  # 12.5 s into a minute

@@ -4,8 +4,8 @@ in what a caller sends are text unless its policy allows them: test_control_toke
 import pytest
 from transformers import AutoTokenizer
 
+from gateway.inference.admission import chat_token_ids, text_token_ids
 from gateway.schemas.openai import ChatCompletionRequest, CompletionRequest
-from gateway.services.admission import chat_token_ids, text_token_ids
 
 CONVERSATIONS = [
     [{"role": "user", "content": "The capital of France is"}],

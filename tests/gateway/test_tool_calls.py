@@ -9,10 +9,10 @@ import jsonschema_rs
 import pytest
 from transformers import AutoTokenizer
 
+from gateway.inference.prompt_tokens import INLINE_TOKENIZE_CHARS, TokenizePool, tokenize
+from gateway.inference.tool_calls import CallParser, parse_reply
+from gateway.inference.tools import ToolMode, forcing_schema, template_input, tool_mode
 from gateway.schemas.openai import ChatCompletionRequest
-from gateway.services.prompt_tokens import INLINE_TOKENIZE_CHARS, TokenizePool, tokenize
-from gateway.services.tools import ToolMode, forcing_schema, template_input, tool_mode
-from gateway.tool_calls import CallParser, parse_reply
 
 NAMES = frozenset({"get_weather", "get_time"})
 AUTO = ToolMode("auto", NAMES)
@@ -138,7 +138,7 @@ NATIVE_TEMPLATE = (
 
 
 def test_a_template_with_a_tools_section_renders_them_itself(tiny_model_dir):
-    from gateway.services.prompt_tokens import chat_token_ids
+    from gateway.inference.prompt_tokens import chat_token_ids
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     tokenizer.chat_template = NATIVE_TEMPLATE

@@ -12,8 +12,8 @@ import pytest
 from gateway.clock import utcnow
 from gateway.schemas.admin import POLICY_WRITE, ROUTES_WRITE
 from gateway.schemas.routes import UpstreamRoute
-from gateway.services import keys
 from gateway.storage.models import ModelRoute
+from gateway.tenancy import keys
 from policies import Policy
 
 from .bad_upstream import BadUpstream, ok_reply

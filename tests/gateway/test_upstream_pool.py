@@ -4,9 +4,9 @@ the sealing of upstream keys."""
 import pytest
 from cryptography.exceptions import InvalidTag
 
-from gateway.services.routes import open_api_key, seal_api_key
 from gateway.upstream.call import cache_salt
 from gateway.upstream.pool import AFFINITY_BLOCK_TOKENS, ReplicaSet, affinity_key
+from gateway.upstream.stored import open_api_key, seal_api_key
 
 URLS = ("http://a:1", "http://b:1", "http://c:1")
 

@@ -14,10 +14,10 @@ from sqlalchemy import Connection, bindparam, select
 
 from audit.tables import audit_events
 from gateway.audit_hook import AuditUnavailableError, TxnStep
+from gateway.inference import retention
+from gateway.inference.admission import Admission
+from gateway.inference.receipts import Receipt
 from gateway.runtime import Runtime
-from gateway.services import retention
-from gateway.services.admission import Admission
-from gateway.services.receipts import Receipt
 from gateway.storage.db import is_db_transient
 
 log = structlog.get_logger()

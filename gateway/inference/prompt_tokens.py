@@ -10,12 +10,12 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from gateway.errors import InvalidRequest, PolicyViolation
+from gateway.inference.tools import template_input
+from gateway.limits.ratelimit import exceeded
 from gateway.schemas.openai import ChatCompletionRequest, CompletionRequest
 from gateway.schemas.openai_tools import schema_bytes
-from gateway.services.control_tokens import control_tokens
-from gateway.services.ratelimit import exceeded
-from gateway.services.segment_cache import SegmentCache, encode, encode_rendered
-from gateway.services.tools import template_input
+from gateway.text.control_tokens import control_tokens
+from gateway.text.segment_cache import SegmentCache, encode, encode_rendered
 
 T = TypeVar("T")
 
@@ -31,11 +31,11 @@ def chat_token_ids(
     allow_special_tokens: bool = False,
 ) -> list[int]:
     """The prompt token ids of a chat request: the model's chat template with the generation prompt (and
-    the request's tools, ``gateway.services.tools``).
+    the request's tools, ``gateway.inference.tools``).
     ``kvgate replay`` calls this too, so a replayed prompt is rendered exactly as the gateway did.
     ``segments`` reuses the ids of pieces ``namespace`` sent before (the same ids, see its module).
     Special-token strings in what the caller sent (contents, tool calls and definitions) are text, the
-    template's own markers control tokens (``gateway.services.control_tokens``); with
+    template's own markers control tokens (``gateway.text.control_tokens``); with
     ``allow_special_tokens`` (a trusted caller's policy) they are control tokens too."""
     messages, extra = template_input(tokenizer, req)  # tools, and earlier calls and results, if any
     control = None if allow_special_tokens else control_tokens(tokenizer)

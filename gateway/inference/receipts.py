@@ -24,7 +24,7 @@ from gateway.schemas.openai import RequestKind
 
 if TYPE_CHECKING:
     from engine import StructuredOutput
-    from gateway.services.admission import Admission
+    from gateway.inference.admission import Admission
 
 # Receipts before this version recorded only n, max_tokens, temperature, top_p, top_k, seed and stop.
 RECEIPT_VERSION = 2

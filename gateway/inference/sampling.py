@@ -41,7 +41,7 @@ def sampling_params(
     structured: StructuredOutput | None = None,
 ) -> SamplingParams:
     """The engine's parameters for ``req`` under its policy's ``decision``; ``structured`` is what its
-    text must match (``gateway.services.structured``).
+    text must match (``gateway.inference.structured``).
 
     Raises:
         InvalidRequest: ``min_tokens`` over ``max_tokens``, a ``logit_bias`` token outside the

@@ -3,50 +3,20 @@ keys sealed at rest and never returned."""
 
 from __future__ import annotations
 
-import base64
-import os
-from functools import lru_cache
-
-from cryptography.hazmat.primitives.ciphers.aead import AESGCM
-from sqlalchemy import func, select
+from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from gateway.clock import as_utc, utcnow
 from gateway.errors import Conflict, InvalidRequest, NotFound
 from gateway.schemas.routes import NON_ISOLATING_KINDS, RouteOut, RoutePut, UpstreamRoute
-from gateway.services.admin_audit import AdminActor
 from gateway.storage.models import ModelRoute
+from gateway.tenancy.admin_audit import AdminActor
 from gateway.upstream.addresses import refused_urls
+from gateway.upstream.stored import parse_route, seal_api_key
 
 ROUTE_CHANGED = "admin.model_route_changed"
 ROUTE_DELETED = "admin.model_route_deleted"
-_NONCE = 12
-
-
-# The upstream keys' AES-256 key derives from the pepper, which every replica of a deployment shares (key
-# hashes need it too), so any replica opens what another sealed: ``Hasher.derive(SEALING_LABEL)``.
-SEALING_LABEL = b"upstream api keys v1"
-
-
-def seal_api_key(key: bytes, name: str, api_key: str) -> str:
-    """``api_key`` sealed for the route ``name`` (bound to it: a sealed key moved to another route fails)."""
-    nonce = os.urandom(_NONCE)
-    sealed = AESGCM(key).encrypt(nonce, api_key.encode(), name.encode())
-    return base64.b64encode(nonce + sealed).decode()
-
-
-def open_api_key(key: bytes, name: str, sealed: str) -> str:
-    raw = base64.b64decode(sealed)
-    return AESGCM(key).decrypt(raw[:_NONCE], raw[_NONCE:], name.encode()).decode()
-
-
-@lru_cache(maxsize=1024)
-def parse_route(body: str) -> UpstreamRoute:
-    """Parse a stored route; cached, as a version's body never changes."""
-    return UpstreamRoute.model_validate_json(body)
-
-
 def route_to_schema(row: ModelRoute) -> RouteOut:
     route = None if row.is_deleted else parse_route(row.body)
     return RouteOut(
@@ -64,22 +34,6 @@ def route_to_schema(row: ModelRoute) -> RouteOut:
 async def _latest(session: AsyncSession, name: str) -> ModelRoute | None:
     stmt = select(ModelRoute).where(ModelRoute.name == name).order_by(ModelRoute.version.desc()).limit(1)
     return (await session.scalars(stmt)).first()
-
-
-async def current_routes(session: AsyncSession) -> list[ModelRoute]:
-    """Every name's newest version that is not a deletion."""
-    newest = (
-        select(ModelRoute.name, func.max(ModelRoute.version).label("version"))
-        .group_by(ModelRoute.name)
-        .subquery()
-    )
-    stmt = (
-        select(ModelRoute)
-        .join(newest, (ModelRoute.name == newest.c.name) & (ModelRoute.version == newest.c.version))
-        .where(ModelRoute.is_deleted.is_(False))
-        .order_by(ModelRoute.name)
-    )
-    return list(await session.scalars(stmt))
 
 
 async def get_route(session: AsyncSession, name: str) -> RouteOut:

@@ -11,8 +11,8 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from gateway.errors import InvalidRequest
 from gateway.schemas.admin import UsageRow
-from gateway.services.tenants import get_tenant_row
 from gateway.storage.models import UsageCounter
+from gateway.tenancy.tenants import get_tenant_row
 
 REPORT_WINDOWS = ("minute", "day", "month")
 

@@ -13,9 +13,9 @@ from gateway.errors import Forbidden, NotFound
 from gateway.principal import Principal
 from gateway.schemas.admin import AdminTokenCreate, AdminTokenCreated, AdminTokenOut
 from gateway.secrets import Hasher
-from gateway.services.admin_audit import AdminActor
-from gateway.services.keys import expiry, new_admin_token
 from gateway.storage.models import AdminToken
+from gateway.tenancy.admin_audit import AdminActor
+from gateway.tenancy.keys import expiry, new_admin_token
 
 TOKEN_CREATED = "admin.admin_token_created"
 TOKEN_REVOKED = "admin.admin_token_revoked"

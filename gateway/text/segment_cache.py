@@ -14,7 +14,7 @@ or matches single words and the tokenizer neither truncates, pads nor encodes sp
 otherwise (or without a Rust backend) every call tokenizes the whole text as before. Each piece is then
 encoded by the tokenizer itself, normalization and all.
 
-Caller's text: a chat rendered from escaped content (``gateway.services.control_tokens``) is split the
+Caller's text: a chat rendered from escaped content (``gateway.text.control_tokens``) is split the
 same way, at the template's own control tokens; a piece holding an escape is unescaped and encoded with
 special-token strings as text, and cached under a key of its own.
 
@@ -34,7 +34,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
-from gateway.services.control_tokens import ESC, ControlTokens
+from gateway.text.control_tokens import ESC, ControlTokens
 
 MAX_ENTRIES = 65_536
 MAX_TOKENS = 1 << 21  # ids held in all (4 bytes each)

@@ -11,7 +11,6 @@ from litestar.types import Receive
 
 from engine import EngineRequest
 from engine.errors import InvalidRequestError, RequestFailedError, StructuredOutputError
-from gateway import openai_format as fmt
 from gateway.asgi_io import StreamReply, WholeReply, unless_client_leaves
 from gateway.audit_hook import DeferredEvent
 from gateway.drain import RETRY_AFTER_S
@@ -26,12 +25,13 @@ from gateway.errors import (
     ShuttingDown,
     error_body,
 )
+from gateway.inference import openai_format as fmt
+from gateway.inference.admission import Admission, admit, gate
+from gateway.inference.settlement import Progress, finish, finish_soon, settle_unstarted, until_committed
+from gateway.inference.tool_calls import CallParser
 from gateway.principal import Principal
 from gateway.runtime import Runtime
 from gateway.schemas.openai import ChatCompletionRequest, CompletionRequest, RequestKind
-from gateway.services.admission import Admission, admit, gate
-from gateway.services.settlement import Progress, finish, finish_soon, settle_unstarted, until_committed
-from gateway.tool_calls import CallParser
 from gateway.upstream import backend as upstream_backend
 
 log = structlog.get_logger()

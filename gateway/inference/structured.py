@@ -14,9 +14,9 @@ from engine import StructuredOutput, StructuredOutputError
 from engine.errors import EngineUnavailableError
 from engine.grammar import compiler_for
 from gateway.errors import InvalidRequest, PolicyViolation, ServiceUnavailable
+from gateway.inference.tools import ToolMode, forcing_schema, parameters, tool_mode
 from gateway.schemas.openai import ChatCompletionRequest, CompletionRequest
 from gateway.schemas.openai_tools import schema_bytes
-from gateway.services.tools import ToolMode, forcing_schema, parameters, tool_mode
 from policies import FeatureUse, Policy, check_features
 
 _MAX_MESSAGE_CHARS = 300

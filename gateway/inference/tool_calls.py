@@ -15,7 +15,7 @@ from typing import Any
 
 import orjson
 
-from gateway.services.tools import CALL_CLOSE, CALL_OPEN, ToolMode
+from gateway.inference.tools import CALL_CLOSE, CALL_OPEN, ToolMode
 
 _ID_CHARS = string.ascii_letters + string.digits
 

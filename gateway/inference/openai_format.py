@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from functools import lru_cache
 from typing import Any
 
 import orjson
 
+from gateway.inference.tool_calls import CallParser, Piece, parse_reply
+from gateway.inference.tools import ToolMode
 from gateway.schemas.openai import RequestKind
-from gateway.services.tools import ToolMode
-from gateway.tool_calls import CallParser, Piece, parse_reply
+from gateway.text.token_text import TokenText
 
 # Engine "abort" only happens when we stop the request ourselves; clients only know these two.
 _FINISH = {"stop": "stop", "length": "length", "abort": "stop"}
@@ -34,16 +34,6 @@ def usage_dict(num_prompt: int, num_completion: int, num_cached: int) -> dict[st
         "prompt_tokens_details": {"cached_tokens": num_cached},
         "completion_tokens_details": {"reasoning_tokens": 0},
     }
-
-
-class TokenText:
-    """Decodes single token ids for logprobs, cached per tokenizer."""
-
-    def __init__(self, tokenizer: Any) -> None:
-        self._decode = lru_cache(maxsize=65536)(lambda i: tokenizer.decode([i]))
-
-    def __call__(self, token_id: int) -> str:
-        return self._decode(token_id)
 
 
 def chat_logprobs(entries: list[Any] | None, text_of: TokenText) -> dict[str, Any] | None:

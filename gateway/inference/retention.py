@@ -20,7 +20,7 @@ from gateway.principal import Principal
 from gateway.runtime import Runtime
 from gateway.schemas.audit import PurgeOut, RetainedInfo, RetainedRecordOut, ShredOut
 from gateway.schemas.openai import ChatCompletionRequest, CompletionRequest
-from gateway.services.tenants import get_tenant_row
+from gateway.tenancy.tenants import get_tenant_row
 
 log = structlog.get_logger()
 

@@ -14,12 +14,8 @@ from audit.context import bind_request_context, register_sensitive
 from engine import SamplingParams, TenantShare
 from gateway.audit_hook import AuditUnavailableError, DeferredEvent, chain_steps
 from gateway.errors import InvalidRequest, PolicyViolation
-from gateway.principal import Principal
-from gateway.runtime import Runtime
-from gateway.schemas.openai import ChatCompletionRequest, CompletionRequest, RequestKind
-from gateway.services import retention
-from gateway.services.overload import EnginePlace
-from gateway.services.prompt_tokens import (  # kvgate replay and the benchmarks import these from here
+from gateway.inference import retention
+from gateway.inference.prompt_tokens import (  # kvgate replay and the benchmarks import these from here
     chat_token_ids,
     check_prompt_bytes,
     longest_token_bytes,
@@ -27,12 +23,16 @@ from gateway.services.prompt_tokens import (  # kvgate replay and the benchmarks
     tokenize,
     tokenize_pool,
 )
-from gateway.services.quota import Reservation
-from gateway.services.ratelimit import Hold, RateLimitInfo
-from gateway.services.sampling import sampling_params
-from gateway.services.structured import check_compiles, constraint
-from gateway.services.tenants import current_policy
-from gateway.services.tools import ToolMode
+from gateway.inference.sampling import sampling_params
+from gateway.inference.structured import check_compiles, constraint
+from gateway.inference.tools import ToolMode
+from gateway.limits.overload import EnginePlace
+from gateway.limits.quota import Reservation
+from gateway.limits.ratelimit import Hold, RateLimitInfo
+from gateway.principal import Principal
+from gateway.runtime import Runtime
+from gateway.schemas.openai import ChatCompletionRequest, CompletionRequest, RequestKind
+from gateway.tenancy.tenants import current_policy
 from gateway.upstream.call import UPSTREAM_MODES, UpstreamCall, check_cache_fields, find_target, prepare
 from gateway.upstream.table import Target
 from policies import Decision, Policy, RequestContext, evaluate

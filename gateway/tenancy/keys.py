@@ -20,9 +20,9 @@ from gateway.schemas.admin import (
     KeyOut,
 )
 from gateway.secrets import ADMIN_PREFIX, TENANT_PREFIX, Hasher, new_token, parse_token
-from gateway.services.admin_audit import AdminActor
-from gateway.services.tenants import get_tenant_row, parse_policy
 from gateway.storage.models import AdminToken, ApiKey, PolicyVersion, Tenant
+from gateway.tenancy.admin_audit import AdminActor
+from gateway.tenancy.tenants import get_tenant_row, parse_policy
 
 _DUMMY_HASH = "0" * 64
 KEY_CREATED = "admin.key_created"
@@ -171,7 +171,7 @@ async def create_admin_token(
 ) -> str:
     """Issue an admin token with ``scopes`` (default: all but ``retention:read`` and ``tokens:write``).
 
-    Unaudited: for tests and set-up code. ``gateway.services.admin_tokens`` issues audited ones.
+    Unaudited: for tests and set-up code. ``gateway.tenancy.admin_tokens`` issues audited ones.
 
     Raises:
         ValueError: An unknown scope.

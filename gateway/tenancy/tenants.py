@@ -12,8 +12,8 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from gateway.clock import as_utc, utcnow
 from gateway.errors import Conflict, NotFound
 from gateway.schemas.admin import PolicyOut, TenantOut
-from gateway.services.admin_audit import AdminActor
 from gateway.storage.models import PolicyVersion, Tenant
+from gateway.tenancy.admin_audit import AdminActor
 from policies import Policy
 
 TENANT_CREATED = "admin.tenant_created"

@@ -8,7 +8,7 @@ per-tenant mutex over the usage and slot rows, so two transactions cannot deadlo
 multi-row UPDATE locks its rows in.
 
 Each call is one transaction body (``gateway.storage.txn``) of prebuilt statements
-(``gateway.services.usage_sql``): the concurrency slot (``gateway.services.slots``), an idempotent insert
+(``gateway.limits.usage_sql``): the concurrency slot (``gateway.limits.slots``), an idempotent insert
 of the window rows, and one UPDATE for all three windows.
 """
 
@@ -26,7 +26,7 @@ from sqlalchemy import Connection
 from audit.prepared import execute, execute_many
 from gateway.audit_hook import TxnStep
 from gateway.errors import QuotaExceeded
-from gateway.services.ratelimit import (
+from gateway.limits.ratelimit import (
     Hold,
     RateLimitInfo,
     TenantGate,
@@ -34,8 +34,8 @@ from gateway.services.ratelimit import (
     rate_limit_info,
     window_error,
 )
-from gateway.services.slots import LOCK_TENANT, Slots
-from gateway.services.usage_sql import READ, SETTLE, WINDOWS, add_usage, ensure_row
+from gateway.limits.slots import LOCK_TENANT, Slots
+from gateway.limits.usage_sql import READ, SETTLE, WINDOWS, add_usage, ensure_row
 from gateway.storage.txn import TxnRunner
 from policies import Policy
 

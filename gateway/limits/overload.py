@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from gateway.errors import EngineOverloaded
-from gateway.services.ratelimit import exceeded
+from gateway.limits.ratelimit import exceeded
 
 RETRY_AFTER_MIN_S = 1
 RETRY_AFTER_MAX_S = 60

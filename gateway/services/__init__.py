@@ -1,1 +1,0 @@
-"""Business logic over the repositories; controllers stay two or three lines."""
