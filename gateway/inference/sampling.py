@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
 
 from engine import SamplingParams, StructuredOutput
 from engine.errors import InvalidRequestError
 from gateway.errors import InvalidRequest
-from gateway.schemas.openai import ChatCompletionRequest, CompletionRequest
+from gateway.schemas.openai import ChatCompletionRequest, CompletionRequest, SamplingFields
 from policies import Decision
+
+# The parameters ``sampling_params`` works out from the request and its policy's decision; every other
+# ``SamplingParams`` field that the request has (by name) reaches the engine as sent. So a new plain
+# field (``min_p``) is a request field and a ``SamplingParams`` field, and nothing here.
+DECIDED = frozenset({"max_tokens", "seed", "stop", "logprobs", "determinism", "logit_bias", "structured"})
+AS_SENT = tuple(f.name for f in dataclasses.fields(SamplingParams)
+                if f.name in SamplingFields.model_fields and f.name not in DECIDED)
 
 
 def _seed(req: ChatCompletionRequest | CompletionRequest) -> int | None:
@@ -56,21 +64,12 @@ def sampling_params(
         )
     try:
         return SamplingParams(
-            n=req.n,
+            **{name: getattr(req, name) for name in AS_SENT},
             max_tokens=decision.max_tokens,
-            temperature=req.temperature,
-            top_p=req.top_p,
-            top_k=req.top_k,
-            min_p=req.min_p,
             seed=_seed(req),
             stop=req.stop_list or None,
-            ignore_eos=req.ignore_eos,
-            min_tokens=req.min_tokens,
             logprobs=req.num_logprobs,
             determinism=decision.determinism,
-            presence_penalty=req.presence_penalty,
-            frequency_penalty=req.frequency_penalty,
-            repetition_penalty=req.repetition_penalty,
             logit_bias=_logit_bias(req, vocab_size),
             structured=structured,
         )

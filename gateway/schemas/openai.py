@@ -67,7 +67,7 @@ RequestKind = Literal["chat", "text"]
 _Choice = Annotated[str, Field(min_length=1, max_length=1024)]
 
 
-class _SamplingFields(_Strict):
+class SamplingFields(_Strict):
     """Fields both endpoints share. Beyond OpenAI's, extensions as vLLM has them:
 
     Attributes:
@@ -127,7 +127,7 @@ class _SamplingFields(_Strict):
         return schema if schema is None else check_schema_shape(schema)
 
     @model_validator(mode="after")
-    def _check_stream_options(self) -> _SamplingFields:
+    def _check_stream_options(self) -> SamplingFields:
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
         return self
@@ -143,7 +143,7 @@ class _SamplingFields(_Strict):
         return self.stream_options is not None and self.stream_options.include_usage
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=4096)]
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
@@ -182,7 +182,7 @@ class ChatCompletionRequest(_SamplingFields):
 _TokenIds = Annotated[list[Annotated[int, Field(ge=0, lt=2**31)]], Field(min_length=1, max_length=1_000_000)]
 
 
-class CompletionRequest(_SamplingFields):
+class CompletionRequest(SamplingFields):
     prompt: _Str | _TokenIds | Annotated[list[_Str], Field(min_length=1, max_length=1)]
     max_tokens: int | None = Field(default=16, ge=1)
     logprobs: int | None = Field(default=None, ge=0, le=5)
