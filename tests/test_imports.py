@@ -214,8 +214,8 @@ def test_no_module_imports_a_private_name_of_another(import_graph):
 
 # The gateway's rooms: what the request path's services build on stays below them. ``Runtime`` is the
 # container the services share, so nothing it reaches may be a service (inference, tenancy) or sit above one.
-ABOVE_RUNTIME = ("gateway.inference", "gateway.tenancy", "gateway.controllers", "gateway.console", "gateway.cli",
-                 "gateway.app", "gateway.auth", "gateway.guards", "gateway.deps")
+ABOVE_RUNTIME = ("gateway.inference", "gateway.tenancy", "gateway.controllers", "gateway.console",
+                 "gateway.cli", "gateway.app", "gateway.auth", "gateway.guards", "gateway.deps")
 BELOW_SERVICES = ("gateway.runtime", "gateway.limits", "gateway.text", "gateway.principal")
 
 

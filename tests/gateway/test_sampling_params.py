@@ -28,7 +28,8 @@ def test_each_plain_field_reaches_the_engine_as_sent():
     params = sampling_params(req, Decision(violation=None, max_tokens=12, determinism="fixed"), 49152)
     assert {name: getattr(params, name) for name in SENT} == SENT
     assert (params.max_tokens, params.seed, params.determinism) == (12, 9, "fixed")
-    default = sampling_params(ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}],
-                                                    temperature=0), Decision(violation=None, max_tokens=4), 10)
-    assert {name: getattr(default, name) for name in SENT if name != "temperature"} == {
-        f.name: f.default for f in dataclasses.fields(SamplingParams) if f.name in SENT and f.name != "temperature"}
+    hi = [{"role": "user", "content": "hi"}]
+    default = sampling_params(ChatCompletionRequest(model="m", messages=hi, temperature=0),
+                              Decision(violation=None, max_tokens=4), 10)
+    defaults = {f.name: f.default for f in dataclasses.fields(SamplingParams) if f.name in SENT}
+    assert {name: getattr(default, name) for name in SENT} == {**defaults, "temperature": 0}
