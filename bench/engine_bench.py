@@ -85,7 +85,7 @@ def _hf_model():
     import torch
     from transformers import AutoModelForCausalLM
 
-    from engine.loader import resolve_model_dir
+    from engine.runner.loader import resolve_model_dir
 
     return AutoModelForCausalLM.from_pretrained(str(resolve_model_dir(None)), dtype=torch.float32).eval()
 
@@ -180,7 +180,7 @@ def run_llamacpp_server(reqs: list[BenchRequest], num_slots: int = 8) -> dict:
 def run_llamacpp_bench(num_prompt: int = 512, num_gen: int = 128) -> dict:
     """llama-bench pp``num_prompt`` and tg``num_gen`` on every physical core: the one-user figures."""
     from bench import llamacpp
-    from engine.setup import physical_cores
+    from engine.runner.setup import physical_cores
 
     binary = llamacpp.find_binary("llama-bench")
     if binary is None:
@@ -193,8 +193,8 @@ def run_llamacpp_bench(num_prompt: int = 512, num_gen: int = 128) -> dict:
 
 
 def run_peer(peer: str, num_requests: int, hf_requests: int, seed: int) -> dict:
-    from engine.loader import load_tokenizer, resolve_model_dir
-    from engine.setup import pin_threads
+    from engine.runner.loader import load_tokenizer, resolve_model_dir
+    from engine.runner.setup import pin_threads
 
     pin_threads(None)
     reqs = standard_workload(load_tokenizer(resolve_model_dir(None)), num_requests, seed)

@@ -249,7 +249,7 @@ async def _run_engine(variant: EngineVariant, cfg: FairnessConfig, corpus: list[
     model's tokenizer, so the same ids)."""
     from engine import EngineConfig
     from engine.determinism import FAST
-    from engine.process import ProcessLLMEngine
+    from engine.front.process import ProcessLLMEngine
 
     # Every request here runs in the fast mode: the other modes' start-up (batch_invariant proves its
     # kernels on every linear, seconds of each start) would only delay the phases.

@@ -2,7 +2,7 @@
 step-time target.
 
 ``fair`` shares the batch slots by weight; with ``EngineConfig.step_time_target_ms`` above 0 it also
-shares the step's time (``engine.time_share``). Each target runs on an engine of its own: 0 (slots
+shares the step's time (``engine.sched.time_share``). Each target runs on an engine of its own: 0 (slots
 only: ``fair-slots``) against the engine's default (``fair-time``), or any list an operator names.
 """
 

@@ -139,10 +139,10 @@ SECTIONS = ("correctness", "throughput", "attention", "default_modes", "bi_invar
 
 def _prepare(args, report: dict):
     """The checkpoint (random or trained), its shape in the report, the agreement prompts and the workload."""
-    from engine.loader import load_model_config, load_tokenizer
+    from engine.runner.loader import load_model_config, load_tokenizer
 
     if args.weights == "trained":  # the checkpoint as it is (a GGUF converted once, like `kvgate serve`)
-        from engine.loader import resolve_model_dir
+        from engine.runner.loader import resolve_model_dir
 
         model_dir = source = resolve_model_dir(args.model_dir)
     else:
@@ -204,7 +204,7 @@ def run(args) -> dict:
 
 def run_large_batch(model_dir: Path, args, num_requests: int = 256) -> dict:
     """The standard workload at 256 requests: kvgate, and transformers as one static batch of all of them."""
-    from engine.loader import load_tokenizer
+    from engine.runner.loader import load_tokenizer
 
     reqs = standard_workload(load_tokenizer(model_dir), num_requests, args.seed)
     kvgate = run_kvgate_throughput(model_dir, reqs, args)
@@ -215,7 +215,7 @@ def run_large_batch(model_dir: Path, args, num_requests: int = 256) -> dict:
 def run_arch_throughput(arch: str, args) -> dict:
     """Throughput of kvgate and transformers on another architecture's random weights (saved bfloat16),
     and with the correctness section, their float32 greedy agreement on those weights."""
-    from engine.loader import load_tokenizer
+    from engine.runner.loader import load_tokenizer
 
     model_dir = make_random_model(args.source_dir, Path(tempfile.mkdtemp(prefix=f"kvgate-{arch}-")), arch,
                                   args.seed, torch.bfloat16, args.device)

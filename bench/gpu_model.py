@@ -69,7 +69,7 @@ def make_random_model(source: Path, out: Path, arch: str = "default", seed: int 
 
 def default_source() -> Path:
     """The prepared default model directory (config and tokenizer; converted on first use)."""
-    from engine.loader import resolve_model_dir
+    from engine.runner.loader import resolve_model_dir
 
     return resolve_model_dir(None)
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 
 from bench.gateway_servers import ROOT, free_port
-from engine.loader import default_cache_dir, find_default_gguf
+from engine.runner.loader import default_cache_dir, find_default_gguf
 
 # The llama-cpp-python release whose vendored llama.cpp scripts/build_llama_cpp.sh builds by default.
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"

@@ -58,7 +58,7 @@ def run_quality(num_prompts: int, new_tokens: int, out: str, seed: int = 0,
     """Every configuration's agreement with float32; with ``kv_cache``, the 8-bit KV caches' too. With
     ``max_num_seqs``, every engine decodes at most that many rows a step (8: the steps where the default
     uses its 4-bit copies, as serving a few users at a time does)."""
-    from engine.loader import load_tokenizer, resolve_model_dir
+    from engine.runner.loader import load_tokenizer, resolve_model_dir
 
     reqs = standard_workload(load_tokenizer(resolve_model_dir(None)), num_prompts, seed, (64, 256))
     prompts = [r.prompt_ids for r in reqs]

@@ -177,7 +177,7 @@ def run_serve_bench(cfg: ServeBenchConfig, out: str, servers: tuple[str, ...] = 
                     kvgate_overrides: dict | None = None, gguf: Path | None = None) -> dict:
     """Measure ``servers`` in turn (one at a time, so neither slows the other), print the table and write
     the JSON report to ``out``. A llama-server that is not built is a skipped line, not a failure."""
-    from engine.loader import load_tokenizer, resolve_model_dir
+    from engine.runner.loader import load_tokenizer, resolve_model_dir
 
     unknown = set(servers) - set(SERVERS)
     if unknown:

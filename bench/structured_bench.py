@@ -32,8 +32,8 @@ def sampling_for(variant: str) -> dict:
 
 
 def run_variant(variant: str, num_requests: int, seed: int) -> dict:
-    from engine.loader import load_tokenizer, resolve_model_dir
-    from engine.setup import pin_threads
+    from engine.runner.loader import load_tokenizer, resolve_model_dir
+    from engine.runner.setup import pin_threads
 
     pin_threads(None)
     reqs = standard_workload(load_tokenizer(resolve_model_dir(None)), num_requests, seed)

@@ -71,7 +71,7 @@ def _allowed(bitmask: Any, vocab: int) -> list[int]:
 
 def _masks(template: Any, vocab: int, eos: set[int], rng: random.Random) -> tuple[float, list[float]]:
     """The first mask's seconds, then each later mask's, along a random allowed path."""
-    from engine.grammar import new_matcher
+    from engine.grammar.compiler import new_matcher
 
     matcher, times, deadline = new_matcher(template), [], time.perf_counter() + MASK_BUDGET_S
     while len(times) <= MASK_TOKENS and time.perf_counter() < deadline and not matcher.is_stopped():
@@ -88,7 +88,7 @@ def _masks(template: Any, vocab: int, eos: set[int], rng: random.Random) -> tupl
 def measure_spec(name: str, kind: str, fields: dict[str, Any], tokenizer: Any, seed: int = 0) -> dict:
     """One spec's row: refused (and why), admission seconds, and for an admitted spec its first mask and
     its per-token masks (mean, max, how many)."""
-    from engine.grammar import compiler_for
+    from engine.grammar.compiler import compiler_for
 
     row: dict[str, Any] = {"spec": name, "kind": kind}
     structured, refused, admit_s = _admit(tokenizer, fields)
@@ -120,7 +120,7 @@ def spec_table(rows: list[dict]) -> str:
 def run_spec_rows(names: list[str], seed: int = 0) -> list[dict]:
     """The rows of the named specs (``SPECS``' names), in ``SPECS``' order, with the default model's
     tokenizer."""
-    from engine.loader import load_tokenizer, resolve_model_dir
+    from engine.runner.loader import load_tokenizer, resolve_model_dir
 
     unknown = set(names) - {name for name, _, _ in SPECS}
     if unknown:

@@ -151,7 +151,7 @@ async def _measure(cfg: UpstreamBenchConfig, tokenizer: Any, model_name: str, up
 
 
 def _run(cfg: UpstreamBenchConfig, root: Path) -> dict[str, Any]:
-    from engine.loader import load_tokenizer
+    from engine.runner.loader import load_tokenizer
     from engine.testing import make_tiny_model_dir
     from gateway.settings import Settings
 

@@ -1,6 +1,5 @@
 """kvgate's inference engine: paged KV cache, continuous batching, chunked prefill, prefix cache."""
 
-from engine.client import AsyncLLMEngine
 from engine.config import EngineConfig
 from engine.core import LLMEngine
 from engine.errors import (
@@ -10,13 +9,15 @@ from engine.errors import (
     PromptTooLongError,
     StructuredOutputError,
 )
-from engine.fair import TenantShare
-from engine.protocol import EngineClient, EngineRequest
-from engine.request import CompletionOutput, RequestMetrics, RequestOutput, SamplingParams, TokenLogprobs
+from engine.front.client import AsyncLLMEngine
+from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprobs
+from engine.protocol import EngineClient, EngineRequest, ServedModel
+from engine.request import SamplingParams
+from engine.sched.fair import TenantShare
 from engine.stats import EngineStats
 from engine.structured import StructuredOutput
 
 __all__ = ["AsyncLLMEngine", "CompletionOutput", "EngineClient", "EngineConfig", "EngineRequest",
            "EngineStats", "InvalidRequestError", "InvalidSamplingParamsError", "LLMEngine", "ModelLoadError",
-           "PromptTooLongError", "RequestMetrics", "RequestOutput", "SamplingParams", "StructuredOutput",
-           "StructuredOutputError", "TenantShare", "TokenLogprobs"]
+           "PromptTooLongError", "RequestMetrics", "RequestOutput", "SamplingParams", "ServedModel",
+           "StructuredOutput", "StructuredOutputError", "TenantShare", "TokenLogprobs"]

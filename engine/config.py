@@ -36,11 +36,11 @@ class EngineConfig:
             bfloat16 (past that a bfloat16 GEMM wins), 16 in float32 (on an AVX2 CPU the four matmuls of a
             layer took 1.7 ms on the 4-bit copies against 3.3 ms dense at 16 rows, 2026-11-27).
         fixed_mmap_threshold: In the engine's own process (``kvgate serve``'s child), fix glibc's mmap
-            threshold (``engine.allocator``) so that large freed blocks go back to the system at once, but
-            every step maps and faults in its large buffers anew, which cost about 20% of tokens/s on the
+            threshold (``engine.runner.allocator``) so that large freed blocks go back to the system at once,
+            but every step maps and faults in its large buffers anew, which cost about 20% of tokens/s on the
             standard workload (2026-11-26); off by default (``heap_trim_interval_s`` holds RSS instead).
         heap_trim_interval_s: In the engine's own process, hand the heap's free pages back to the system
-            (glibc's ``malloc_trim``; ``engine.allocator.HeapTrimmer``) when the engine goes idle and
+            (glibc's ``malloc_trim``; ``engine.runner.allocator.HeapTrimmer``) when the engine goes idle and
             every this many seconds while it works, so RSS stays flat under ever-changing bfloat16
             matmul shapes; 0 turns it off.
         fused_decode: Run every layer of a decode-only step of a bfloat16 or float32 model on the CPU in
@@ -71,7 +71,7 @@ class EngineConfig:
             request wait). 0 evicts the oldest cached block of any namespace.
         scheduling_policy: ``fcfs``, ``priority`` (lower ``priority`` value runs first) or ``fair``
             (tenants share the batch by weight, priorities apply within a tenant; see
-            ``engine.scheduler.Scheduler``). Without tenant shares ``fair`` orders like ``priority``.
+            ``engine.sched.scheduler.Scheduler``). Without tenant shares ``fair`` orders like ``priority``.
         priority_aging_steps: A sequence that has waited this many engine steps goes ahead of every
             priority, oldest first (``priority`` and ``fair``), so a low priority never waits forever;
             0 turns aging off.
@@ -83,7 +83,7 @@ class EngineConfig:
             (decode rows and prefill chunks) are sized so that a step takes about this long (from the
             measured cost of recent steps) and each tenant puts in at most its weighted share of them, so
             a tenant with few streams gets fast steps while a flooder's extra rows wait
-            (``engine.time_share``); alone, a tenant has the whole step. ``None`` aims at 2.5 times a
+            (``engine.sched.time_share``); alone, a tenant has the whole step. ``None`` aims at 2.5 times a
             step's fixed cost (measured: its share of the time then stays near 40 %); 0 turns the time
             share off (the batch slots are still shared by weight).
         num_threads: torch intra-op threads; ``None`` pins to the number of physical cores.
@@ -96,7 +96,7 @@ class EngineConfig:
             C++ attention kernel (once, about 30 s) and checks at start-up that this machine's matmuls
             are row-invariant.
         cuda_graphs: On CUDA, replay decode-only ``fast`` steps from CUDA graphs captured per batch-size
-            bucket (``engine.cuda_decode``); off runs them eagerly from the same pinned input buffers.
+            bucket (``engine.runner.cuda_decode``); off runs them eagerly from the same pinned input buffers.
         overlap_steps: On CUDA, while the device runs a decode step, the host records the previous step's
             tokens (stop checks, text, the deltas the server streams) instead of waiting on the device;
             a sequence that then turns out to have stopped computes one token for nothing.

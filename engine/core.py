@@ -12,29 +12,29 @@ from collections.abc import Sequence as Seq
 from engine.config import EngineConfig
 from engine.determinism import BATCH_INVARIANT
 from engine.errors import InvalidRequestError, RequestFailedError, StepError
-from engine.fair import TenantShare
-from engine.grammar import GrammarCompiler
-from engine.grammar_masks import GrammarMasks
-from engine.grammar_queue import GrammarQueue
-from engine.hashing import BlockHasher
-from engine.kv_cache_manager import KVCacheManager
-from engine.model_runner import ModelRunner
-from engine.outputs import RequestState
-from engine.overlap import SampledStep, StepOverlap
+from engine.front.stream_output import OutputAccumulator
+from engine.grammar.compiler import GrammarCompiler
+from engine.grammar.masks import GrammarMasks
+from engine.grammar.waiting import GrammarQueue
+from engine.output_processor import RequestState
+from engine.outputs import RequestDelta, RequestOutput
 from engine.protocol import ENGINE_REQUEST_VERSION, EngineRequest
-from engine.request import RequestDelta, RequestOutput, RequestStatus, SamplingParams, Sequence
+from engine.request import RequestStatus, SamplingParams, Sequence
 from engine.request_checks import RESERVED_NS, check_add_args, fitted_length, tokenize_prompt
-from engine.scheduler import Scheduler
-from engine.setup import LoadedModel, load_model, setup_determinism
+from engine.runner.model_runner import ModelRunner
+from engine.runner.overlap import SampledStep, StepOverlap
+from engine.runner.setup import LoadedModel, load_model, setup_determinism
+from engine.sched.fair import TenantShare
+from engine.sched.hashing import BlockHasher
+from engine.sched.kv_cache_manager import KVCacheManager
+from engine.sched.scheduler import Scheduler
 from engine.stats import EngineStats, StatsTracker
-from engine.stream_output import OutputAccumulator
-from engine.whole_outputs import WholeOutputs
 
 logger = logging.getLogger("kvgate.engine")
 _GRAMMAR_WAIT_S = 0.02  # with nothing to run, how long a step waits for a grammar to compile
 
 
-class LLMEngine(WholeOutputs):
+class LLMEngine:
     """Paged-KV inference engine: continuous batching, chunked prefill, preemption, prefix cache.
 
     Example:
@@ -210,8 +210,8 @@ class LLMEngine(WholeOutputs):
         process sends: its size does not grow with the requests' lengths).
 
         On CUDA, with ``overlap_steps``, a decode step's sampled tokens may be recorded one call later,
-        while the device runs the next decode step (``engine.overlap``): the deltas a call returns are then
-        the previous forward pass's, and every call still returns one pass's worth.
+        while the device runs the next decode step (``engine.runner.overlap``): the deltas a call returns are
+        then the previous forward pass's, and every call still returns one pass's worth.
 
         Raises:
             StepError: The step raised for some requests and ended those only (a forward pass that raises
@@ -316,6 +316,49 @@ class LLMEngine(WholeOutputs):
             self._accumulators.pop(request_id, None)
         return {rid: e if isinstance(e, InvalidRequestError) else RequestFailedError(
             f"request {rid} failed in an engine step ({type(e).__name__}: {e})") for rid, e in failed.items()}
+
+    # ---- whole outputs: the offline API, assembled from each step's deltas -------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run one forward pass, sample, and return outputs of requests that progressed (raises
+        as ``step_deltas`` does, with the other requests' outputs as the ``StepError``'s ``deltas``)."""
+        try:
+            deltas = self.step_deltas()
+        except StepError as e:
+            e.deltas = [self._assemble(delta) for delta in e.deltas]
+            raise
+        return [self._assemble(delta) for delta in deltas]
+
+    def _assemble(self, delta: RequestDelta) -> RequestOutput:
+        acc = self._accumulators.get(delta.request_id)
+        if acc is None:
+            acc = self._accumulators[delta.request_id] = OutputAccumulator(delta.request_id)
+        acc.add(delta)
+        if delta.finished:
+            del self._accumulators[delta.request_id]
+        return acc.snapshot()
+
+    def generate(self, prompts: str | Seq[int] | list,
+                 params: SamplingParams | list[SamplingParams] | None = None,
+                 ) -> list[RequestOutput]:
+        """Run prompts (strings or token-id lists) to completion; one result per prompt, in order.
+
+        Args:
+            prompts: One prompt or a list of prompts.
+            params: One ``SamplingParams`` for all prompts, or a list with one per prompt.
+        """
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
+                                        and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise InvalidRequestError("params must be one SamplingParams or a list with one per prompt")
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params_list, strict=True)]
+        final: dict[str, RequestOutput] = {}
+        while len(final) < len(ids):
+            for out in self.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[i] for i in ids]
 
     def stats(self, *, namespaces: bool = True) -> EngineStats:
         """A snapshot of queue, KV and throughput figures; ``namespaces``: with the per-namespace

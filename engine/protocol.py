@@ -2,9 +2,12 @@
 
 ``EngineRequest`` is one request whole, from the gateway's admission to the engine's ``add``: the same
 object crosses the thread engine's queue and the process engine's pipe, so a field added here reaches
-the engine by every road at once. ``EngineClient`` is what serves a model to the gateway, the thread
-engine (``AsyncLLMEngine``) or the process engine (``ProcessLLMEngine``), so the gateway holds one type
-whichever runs.
+the engine by every road at once. ``ServedModel`` is what the gateway reads of whatever serves a model
+(the built-in engine or an upstream pool): its name, tokenizer, context and determinism modes.
+``EngineClient`` is a ``ServedModel`` that runs ``EngineRequest``s, the thread engine
+(``AsyncLLMEngine``) or the process engine (``ProcessLLMEngine``), so the gateway holds one type
+whichever runs. An upstream pool is a ``ServedModel`` but no ``EngineClient``: it relays the client's
+own body, fields the built-in engine does not know included, so an ``EngineRequest`` would lose them.
 """
 
 from __future__ import annotations
@@ -13,8 +16,9 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-from engine.fair import TenantShare
-from engine.request import RequestOutput, SamplingParams
+from engine.outputs import RequestOutput
+from engine.request import SamplingParams
+from engine.sched.fair import TenantShare
 from engine.stats import EngineStats
 
 # Bumped when EngineRequest's fields change: a process engine's child refuses a request of another
@@ -47,12 +51,26 @@ class EngineRequest:
 
 
 @runtime_checkable
-class EngineClient(Protocol):
-    """What serves a model to the gateway: requests in, streams of outputs back, and the model's facts."""
+class ServedModel(Protocol):
+    """What the gateway reads of a served model before it runs a request: the name it is served under,
+    its tokenizer and context length, and the determinism modes it can honour (with the reason
+    ``batch_invariant`` is off, where it is)."""
 
     tokenizer: Any
     model_name: str
     max_model_len: int
+
+    @property
+    def modes(self) -> tuple[str, ...]: ...
+
+    @property
+    def bi_error(self) -> str | None: ...
+
+
+@runtime_checkable
+class EngineClient(ServedModel, Protocol):
+    """A served model that runs ``EngineRequest``s: requests in, streams of outputs back."""
+
     determinism: Any  # the served modes and each one's system fingerprint (``engine.determinism``)
 
     def start(self) -> None: ...

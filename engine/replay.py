@@ -6,7 +6,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from engine.core import LLMEngine
-from engine.request import RequestOutput, SamplingParams
+from engine.outputs import RequestOutput
+from engine.request import SamplingParams
 
 
 @dataclass(frozen=True, slots=True)

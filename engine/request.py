@@ -1,4 +1,5 @@
-"""Sampling parameters, per-sequence state and the outputs handed back to callers."""
+"""Sampling parameters and per-sequence state (what a request asks for and where it stands); the
+outputs handed back to callers are in ``engine.outputs``."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from dataclasses import dataclass, field
 
 from engine.determinism import MODES as _MODES
 from engine.errors import InvalidSamplingParamsError
+from engine.outputs import TokenLogprobs
 from engine.structured import StructuredOutput
 
 MAX_LOGIT_BIAS = 300  # entries, as OpenAI allows
@@ -154,15 +156,6 @@ class RequestStatus(enum.Enum):
                         RequestStatus.FINISHED_ABORTED)
 
 
-@dataclass(slots=True)
-class TokenLogprobs:
-    """Log-probabilities of one generated token: the chosen one and the top-N alternatives."""
-
-    token_id: int
-    logprob: float
-    top: dict[int, float]
-
-
 class Sequence:
     """Hot, mutable per-token state of one sequence (one of a request's ``n`` samples).
 
@@ -206,11 +199,11 @@ class Sequence:
         self.num_preemptions = 0
         self.stop_reason: str | int | None = None
         self.mode = mode                    # determinism mode, resolved against the engine default
-        self.tenant = None                  # the scheduler's fair-share account (engine.fair.Tenant)
-        # structured outputs: the grammar's matcher, advanced by each appended token (engine.grammar)
+        self.tenant = None                  # the scheduler's fair-share account (engine.sched.fair.Tenant)
+        # structured outputs: the grammar's matcher, advanced by each appended token (engine.grammar.compiler)
         self.matcher = None
-        self.mask = None                    # its next token's mask, computed ahead (engine.grammar_masks)
-        self.penalty = None                 # token counts for the penalties (engine.logits.PenaltyState)
+        self.mask = None                    # its next token's mask, computed ahead (engine.grammar.masks)
+        self.penalty = None                 # token counts for the penalties (runner.logits.PenaltyState)
 
     @property
     def num_tokens(self) -> int:
@@ -237,97 +230,3 @@ class Sequence:
         return (f"Sequence(id={self.seq_id}, req={self.request_id!r}, prompt_len={self.prompt_len}, "
                 f"out_len={self.num_output_tokens}, computed={self.num_computed_tokens}, "
                 f"status={self.status.value})")
-
-
-@dataclass(slots=True)
-class RequestMetrics:
-    """Per-request timing in seconds (monotonic clock differences)."""
-
-    arrival_time: float
-    queue_time: float | None = None          # arrival → first scheduled
-    time_to_first_token: float | None = None  # arrival → first token
-    mean_time_per_output_token: float | None = None
-    finish_time: float | None = None
-    num_preemptions: int = 0
-    # engine steps run before the request arrived: with arrival order, what a replay needs
-    arrival_step: int = 0
-
-
-@dataclass(slots=True)
-class CompletionOutput:
-    """One sample of a request: cumulative ``token_ids``/``text`` and the delta since the last output."""
-
-    index: int
-    token_ids: list[int]
-    text: str
-    new_token_ids: list[int]
-    new_text: str
-    finish_reason: str | None
-    logprobs: list[TokenLogprobs] | None = None
-    stop_reason: str | int | None = None
-    token_hash: str | None = None  # fixed/batch_invariant only: hash chain over token_ids, set when finished
-
-
-@dataclass(slots=True)
-class SampleDelta:
-    """What one sample produced since its previous delta: new tokens, text and logprobs only."""
-
-    index: int
-    new_token_ids: list[int]
-    new_text: str
-    new_logprobs: list[TokenLogprobs] | None
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
-    token_hash: str | None = None
-
-
-@dataclass(slots=True)
-class RequestDelta:
-    """One step's progress of a request, what crosses the engine pipe: its size grows with the step's
-    new tokens, never with the request's length (``engine.stream_output`` assembles the outputs).
-
-    ``prompt_token_ids`` is set on a request's first delta only.
-    """
-
-    request_id: str
-    samples: list[SampleDelta]
-    finished: bool
-    num_cached_tokens: int
-    metrics: RequestMetrics
-    determinism: str = "fast"
-    system_fingerprint: str = ""
-    prompt_token_ids: list[int] | None = None
-
-
-@dataclass(slots=True)
-class RequestOutput:
-    """What the engine hands back for a request, incrementally and at the end.
-
-    ``token_ids``, ``text``, ``finish_reason`` and ``logprobs`` are those of sample 0, the whole story
-    when ``n == 1``; ``outputs`` holds every sample.
-    """
-
-    request_id: str
-    prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
-    finished: bool
-    num_cached_tokens: int
-    metrics: RequestMetrics
-    determinism: str = "fast"
-    system_fingerprint: str = ""
-
-    @property
-    def token_ids(self) -> list[int]:
-        return self.outputs[0].token_ids
-
-    @property
-    def text(self) -> str:
-        return self.outputs[0].text
-
-    @property
-    def finish_reason(self) -> str | None:
-        return self.outputs[0].finish_reason
-
-    @property
-    def logprobs(self) -> list[TokenLogprobs] | None:
-        return self.outputs[0].logprobs

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence as Seq
 
 from engine.errors import InvalidRequestError, PromptTooLongError
-from engine.fair import TenantShare
 from engine.request import SamplingParams
+from engine.sched.fair import TenantShare
 
 RESERVED_NS = b"\xffkvgate:"  # namespaces the engine derives itself (callers may not start with it)
 

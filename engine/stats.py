@@ -48,7 +48,7 @@ class StatsTracker:
         self.num_failed_requests = 0
 
     def record_failed_step(self, num_requests: int) -> None:
-        """A step that failed ``num_requests`` requests by a fault (``engine.step_guard``)."""
+        """A step that failed ``num_requests`` requests by a fault (``engine.front.step_guard``)."""
         self.num_failed_steps += 1
         self.num_failed_requests += num_requests
 

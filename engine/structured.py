@@ -7,7 +7,7 @@ import json
 from dataclasses import dataclass
 
 from engine.errors import StructuredOutputError
-from engine.regex_cost import grammar_regexes, schema_patterns, too_costly
+from engine.grammar.regex_cost import grammar_regexes, schema_patterns, too_costly
 
 MAX_SPEC_BYTES = 64 * 1024  # the most a spec (schema, regex, grammar, the choices together) may take
 MAX_CHOICES = 1024
@@ -36,7 +36,7 @@ class StructuredOutput:
     Raises:
         StructuredOutputError: Not exactly one kind, a wrong type, a spec over ``MAX_SPEC_BYTES``, or a
             regex (the spec, a schema's ``pattern``, a grammar's terminal) whose counted repetitions
-            expand past ``engine.regex_cost.MAX_REGEX_EXPANSION``.
+            expand past ``engine.grammar.regex_cost.MAX_REGEX_EXPANSION``.
     """
 
     json_schema: str | None = None

@@ -10,9 +10,9 @@ from pathlib import Path
 import torch
 
 from engine.config import EngineConfig
-from engine.kv_alloc import allocate_kv_caches, kv_dtype
-from engine.loader import resolve_model_dir
-from engine.setup import LoadedModel
+from engine.runner.kv_alloc import allocate_kv_caches, kv_dtype
+from engine.runner.loader import resolve_model_dir
+from engine.runner.setup import LoadedModel
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                     "chat_template.jinja")

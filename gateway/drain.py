@@ -157,7 +157,7 @@ def _is_idle(connection: Any) -> bool:
 def _stop_restarting(runtime: Any) -> None:
     """From the drain on, an engine child that dies is not replaced: nothing new will be served, and a
     replacement would still be loading when the server exits."""
-    from engine.process import ProcessLLMEngine
+    from engine.front.process import ProcessLLMEngine
 
     if runtime.owns_engine and isinstance(runtime.engine, ProcessLLMEngine):
         runtime.engine.stop_restarting()

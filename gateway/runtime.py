@@ -111,7 +111,7 @@ class Runtime:
             from engine import AsyncLLMEngine
 
             return AsyncLLMEngine(self.settings.engine_config())
-        from engine.process import ProcessLLMEngine
+        from engine.front.process import ProcessLLMEngine
 
         # The child logs through the same redacting chain as this process.
         return ProcessLLMEngine(self.settings.engine_config(), initializer=_configure_child_logging,

@@ -230,7 +230,7 @@ class Settings(BaseSettings):
     @property
     def engine_threads(self) -> int:
         """The engine's intra-op threads: the physical cores ``reserved_cpus`` leaves, at least one."""
-        from engine.setup import physical_cores  # counted as the engine counts them when unpinned
+        from engine.runner.setup import physical_cores  # counted as the engine counts them when unpinned
 
         cores = physical_cores()
         reserved = self.reserved_cpus if self.reserved_cpus is not None else int(cores >= 8)

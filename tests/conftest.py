@@ -14,7 +14,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from engine import EngineConfig, LLMEngine
-from engine.loader import resolve_model_dir
+from engine.runner.loader import resolve_model_dir
 from engine.testing import make_tiny_model_dir
 
 # The only tests that may skip when CI is set (CI=true), by test id without parameters, each with why it

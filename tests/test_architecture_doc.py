@@ -200,7 +200,7 @@ def test_the_page_cites_names_of_every_kind(index, event_names):
 
 
 @pytest.mark.parametrize("span", [
-    "engine/fairness.py", "engin/models/", "engine.time_sharing", "engine.fair.Ledgerr", "EngineRequestV2",
+    "engine/fairness.py", "engin/models/", "engine.time_sharing", "engine.fair.Ledger", "EngineRequestV2",
     "LLMEngine.add_requests", "RECEIPT_FIELD", "creat_app()", "KVGATE_NO_SUCH", "request.admited",
     "engin.fair", "Principal.tenant", "settlement.finished", "_FLAG_DECL", "_SamplingField",
 ])
@@ -209,7 +209,7 @@ def test_a_name_the_code_lacks_is_reported(index, event_names, span):
 
 
 @pytest.mark.parametrize("span", [
-    "engine/models/", "gateway/cli/serve_cmds.py", "engine.fair", "engine.EngineRequest",
+    "engine/models/", "gateway/cli/serve_cmds.py", "engine.sched.fair", "engine.EngineRequest",
     "audit.events.RECEIPT_FIELDS", "EnginePlace.take", "Runtime.overload", "Policy.share", "create_app()",
     "KVGATE_ENGINE_PROCESS", "request.admitted", "torch.cuda", "text/event-stream", "kvgate serve",
     "settlement.finish",
@@ -219,6 +219,7 @@ def test_a_name_the_code_has_passes(index, event_names, span):
 
 
 def test_a_table_row_of_a_package_checks_its_files_in_that_package(index, event_names):
-    assert unknown_names("| `engine/` | `fair.py`, `models/llama.py` |", index, event_names, ENV_NAMES) == []
+    row = "| `engine/` | `sched/fair.py`, `models/llama.py` |"
+    assert unknown_names(row, index, event_names, ENV_NAMES) == []
     assert unknown_names("| `gateway/` | `fair.py` |", index, event_names, ENV_NAMES) == [
         "`fair.py`: no such file or directory"]

@@ -9,7 +9,7 @@ from bench.structured_specs import SPECS, measure_spec, spec_table
 
 
 def test_a_spec_the_gateway_refuses_has_its_400_and_no_masks(default_model_dir):
-    from engine.loader import load_tokenizer
+    from engine.runner.loader import load_tokenizer
 
     row = measure_spec("broken", "adversarial", {"guided_regex": "a(b"}, load_tokenizer(default_model_dir))
     assert row["refused"].startswith("400: The guided_regex cannot") and "first_mask_s" not in row

@@ -95,7 +95,7 @@ def bench_chat_tokenize(
 ) -> None:
     """Admission's tokenizing of a growing chat, whole against through the segment cache."""
     from bench.chat_tokenize_bench import format_table, run_chat_tokenize_bench, write_results
-    from engine.loader import load_tokenizer, resolve_model_dir
+    from engine.runner.loader import load_tokenizer, resolve_model_dir
 
     tokenizer = load_tokenizer(resolve_model_dir(model))
     rows = run_chat_tokenize_bench(tokenizer, turns=turns, repeats=repeats, user_words=user_words,

@@ -4,98 +4,23 @@ cache."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.determinism import Linear, TilePlan, TritonPlan, tiled_linear
 from engine.errors import ModelLoadError
-from engine.loader import ModelConfig
+from engine.models.layers import PROJECTIONS, DecoderLayer, norm
+from engine.runner.loader import ModelConfig
 from kernels import (
-           AttentionMetadata,
-           DecodeLayerWeights,
-           decode_kernel_loaded,
-           decode_rows,
-           fused_decode_layers,
-           fused_dense_layers,
-           int8,
-           paged_attention,
-           store_kv,
+    AttentionMetadata,
+    DecodeLayerWeights,
+    decode_kernel_loaded,
+    decode_rows,
+    fused_decode_layers,
+    fused_dense_layers,
+    int8,
 )
-from kernels.cpu_ext import q4_linear
-from kernels.int4 import Int4Weight, int4_linear, is_exact, pack_int4
+from kernels.int4 import is_exact, pack_int4
 from kernels.paged_attention import zero_block
-
-_PROJECTIONS = ("qkv", "o", "gate_up", "down")
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm exactly as transformers computes it (float32 statistics, cast back before the weight)."""
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(x.dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE. x: [T, H, Dh]; cos, sin: [T, 1, Dh]."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
-
-
-def _linear(x: torch.Tensor, layer: nn.Linear, plan: TilePlan | TritonPlan | None) -> torch.Tensor:
-    return tiled_linear(x, layer.weight, layer.bias, plan)
-
-
-def _norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-          plan: TilePlan | TritonPlan | None) -> torch.Tensor:
-    """RMSNorm; a batch-invariant plan may bring its own per-row kernel."""
-    if plan is not None and plan.rms_norm is not None:
-        return plan.rms_norm(x, weight, eps)
-    return rms_norm(x, weight, eps)
-
-
-class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.split = (q, kv, kv)
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.eps = cfg.rms_norm_eps
-        self.scale = cfg.head_dim ** -0.5
-        self.input_norm = nn.Parameter(torch.ones(cfg.hidden_size))
-        self.post_norm = nn.Parameter(torch.ones(cfg.hidden_size))
-        self.qkv = nn.Linear(cfg.hidden_size, q + 2 * kv, bias=cfg.qkv_bias)
-        self.o = nn.Linear(q, cfg.hidden_size, bias=cfg.o_bias)
-        self.gate_up = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-        self.int4: dict[str, Int4Weight] | None = None  # 4-bit copies for few-row steps (pack_int4)
-
-    def _proj(self, name: str, x: torch.Tensor, plan: TilePlan | TritonPlan | None,
-              use_int4: bool) -> torch.Tensor:
-        if use_int4:
-            w4 = self.int4[name]
-            if x.dtype == torch.bfloat16:
-                return int4_linear(x, w4)
-            out = q4_linear(x, w4.nibbles, w4.scales, w4.mins)  # float32 rows (torch's int4 matmul is bf16)
-            return out if w4.bias is None else out + w4.bias
-        return _linear(x, getattr(self, name), plan)
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
-                kv_cache: tuple[torch.Tensor, torch.Tensor], use_int4: bool = False) -> torch.Tensor:
-        # x: [T, hidden]
-        t, rows = x.shape[0], meta.linear_plan  # rows: the batch-invariant plan, or None
-        qkv = self._proj("qkv", _norm(x, self.input_norm, self.eps, rows), rows, use_int4)
-        # RoPE on the query and key heads in one pass (elementwise, so bitwise what two passes give): a
-        # one-token step is dispatch-bound, and this halves RoPE's ops
-        qk = apply_rope(qkv[:, :self.split[0] + self.split[1]].view(t, -1, self.head_dim), cos, sin)
-        q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
-        v = qkv[:, self.split[0] + self.split[1]:]
-        store_kv(k, v.view(t, self.num_kv_heads, self.head_dim), kv_cache[0], kv_cache[1], meta.slot_mapping)
-        attn = paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale)
-        x = x + self._proj("o", attn, rows, use_int4)
-        gate_up = self._proj("gate_up", _norm(x, self.post_norm, self.eps, rows), rows, use_int4)
-        gate, up = gate_up.chunk(2, dim=-1)
-        return x + self._proj("down", F.silu(gate) * up, rows, use_int4)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -163,13 +88,13 @@ class LlamaForCausalLM(nn.Module):
             if self._dense_weights is None:
                 self._dense_weights = (
                     [n.detach() for layer in self.layers for n in (layer.input_norm, layer.post_norm)],
-                    [getattr(layer, p).weight.detach() for layer in self.layers for p in _PROJECTIONS])
+                    [getattr(layer, p).weight.detach() for layer in self.layers for p in PROJECTIONS])
             return fused_dense_layers(x, cos[:, 0], sin[:, 0], *self._dense_weights, kv_caches,
                                       meta.slot_mapping, rows, heads, first.eps, first.scale)
         if self._fused_weights is None:
             self._fused_weights = DecodeLayerWeights(
                 [n for layer in self.layers for n in (layer.input_norm.detach(), layer.post_norm.detach())],
-                *([getattr(layer.int4[p], part) for layer in self.layers for p in _PROJECTIONS]
+                *([getattr(layer.int4[p], part) for layer in self.layers for p in PROJECTIONS]
                   for part in ("nibbles", "scales", "mins")))
         return fused_decode_layers(x, cos[:, 0], sin[:, 0], self._fused_weights, kv_caches, meta.slot_mapping,
                                    rows, heads, first.eps, first.scale)
@@ -182,7 +107,7 @@ class LlamaForCausalLM(nn.Module):
         packed = []
         for layer in self.layers:  # stops at the first weight that is not 4-bit, when only exact will do
             weights = {name: pack_int4(getattr(layer, name).weight, getattr(layer, name).bias)
-                       for name in _PROJECTIONS}
+                       for name in PROJECTIONS}
             if exact_only and not all(is_exact(w) for w in weights.values()):
                 return False
             packed.append(weights)
@@ -204,7 +129,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor, plan: TilePlan | TritonPlan | None = None) -> torch.Tensor:
         """hidden: [N, hidden] → float32 logits [N, vocab]."""
-        h = _norm(hidden, self.norm, self.cfg.rms_norm_eps, plan)
+        h = norm(hidden, self.norm, self.cfg.rms_norm_eps, plan)
         if plan is None and self.head_int8 is not None and h.shape[0] <= self.int4_max_rows:
             return int8.int8_linear(h, self.head_int8)
         if plan is None and h.shape[0] == 1 and self.head_t is not None:

@@ -21,7 +21,7 @@ def prepare(model: str = typer.Option(None, help="HF dir or .gguf; default: Smol
             ) -> None:
     """Convert the model into the safetensors cache once and build the C++ CPU kernels (no-ops when done)."""
     from engine.errors import ModelLoadError
-    from engine.loader import resolve_model_dir
+    from engine.runner.loader import resolve_model_dir
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
@@ -30,7 +30,7 @@ def prepare(model: str = typer.Option(None, help="HF dir or .gguf; default: Smol
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
     typer.echo(f"model ready: {path}")
-    from engine.setup import prepare_cpu_kernels
+    from engine.runner.setup import prepare_cpu_kernels
 
     # batch_invariant mode's C++ kernel: build it now (about 30 s once) rather than at first start
     why_not = prepare_cpu_kernels(cache_dir)

@@ -208,7 +208,7 @@ def _structured(data_dir: Path, receipt: Receipt, request: Any, has_body: bool) 
 
 
 def _prompt_ids(settings: Any, request: Any) -> list[int]:
-    from engine.loader import load_tokenizer, resolve_model_dir
+    from engine.runner.loader import load_tokenizer, resolve_model_dir
     from gateway.errors import GatewayError
     from gateway.inference.admission import chat_token_ids, text_token_ids
     from gateway.schemas.openai import ChatCompletionRequest

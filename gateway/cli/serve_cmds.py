@@ -71,7 +71,7 @@ def _run_server(settings: Settings, tls: ssl.SSLContext | None) -> None:
         raise typer.Exit(3)  # uvicorn's STARTUP_FAILURE
     # Shut down (drained, settled, the database closed): the interpreter's final collection of the whole
     # heap would only add seconds to every stop and restart (3.6 s of a 4 s exit on 2 cores, 2026-11-26).
-    from engine.process_child import exit_without_finalizing
+    from engine.front.process_child import exit_without_finalizing
 
     exit_without_finalizing()
 

@@ -12,7 +12,7 @@ import orjson
 
 from engine import StructuredOutput, StructuredOutputError
 from engine.errors import EngineUnavailableError
-from engine.grammar import compiler_for
+from engine.grammar.compiler import compiler_for
 from gateway.errors import InvalidRequest, PolicyViolation, ServiceUnavailable
 from gateway.inference.tools import ToolMode, forcing_schema, parameters, tool_mode
 from gateway.schemas.openai import ChatCompletionRequest, CompletionRequest

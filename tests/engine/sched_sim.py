@@ -8,10 +8,10 @@ from collections import Counter
 from collections.abc import Callable
 
 from engine import EngineConfig, SamplingParams
-from engine.fair import TenantShare
-from engine.kv_cache_manager import KVCacheManager
 from engine.request import RequestStatus, Sequence
-from engine.scheduler import Scheduler
+from engine.sched.fair import TenantShare
+from engine.sched.kv_cache_manager import KVCacheManager
+from engine.sched.scheduler import Scheduler
 
 
 class SimEngine:

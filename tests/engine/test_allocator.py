@@ -1,4 +1,4 @@
-"""The engine process fixes glibc's mmap threshold (``engine.allocator``): what a step frees in large
+"""The engine process fixes glibc's mmap threshold (``engine.runner.allocator``): what a step frees in large
 blocks goes back to the system instead of fragmenting a heap that never shrinks."""
 
 from __future__ import annotations
@@ -28,12 +28,12 @@ def test_without_the_fix_a_freed_large_block_sends_later_blocks_to_the_heap() ->
 
 
 def test_the_fixed_threshold_keeps_large_blocks_in_mappings_of_their_own() -> None:
-    assert _probe("from engine.allocator import fix_mmap_threshold as f; assert f()") is True
+    assert _probe("from engine.runner.allocator import fix_mmap_threshold as f; assert f()") is True
 
 
 def test_the_engine_process_starts_with_the_threshold_fixed_when_asked(tiny_llama_dir: Path) -> None:
     from engine import EngineConfig
-    from engine.process import ProcessLLMEngine
+    from engine.front.process import ProcessLLMEngine
 
     # The probe runs in the child before the engine loads; raising there, it fails the child's start.
     engine = ProcessLLMEngine(EngineConfig(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=32,

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.hashing import BlockHash, BlockHasher
+from engine.sched.hashing import BlockHash, BlockHasher
 from tests.engine.invariants import check_pool_invariants
 
 NAMESPACES = st.sampled_from([b"a", b"b", b"c"])
@@ -21,7 +21,7 @@ def shared_loaded(tiny_llama_dir):
     """The tiny model on one torch thread: the ~7500 steps of this module are matmuls of a few rows, which
     a second thread cannot speed up, but which wait for it at every op whenever other work holds the
     cores (0.18 against 0.02 s a step on two busy cores). The thread count is restored afterwards."""
-    from engine.setup import load_model
+    from engine.runner.setup import load_model
 
     threads = torch.get_num_threads()
     yield load_model(EngineConfig(model=str(tiny_llama_dir), num_kv_blocks=24, block_size=4, num_threads=1))

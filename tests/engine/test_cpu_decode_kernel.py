@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-import engine.setup
+import engine.runner.setup
 from engine import SamplingParams
 from kernels import cpu_ext, decode_kernel_loaded
 
@@ -17,7 +17,7 @@ def broken_decode_kernel(tmp_path, monkeypatch):
     source = tmp_path / "broken.cpp"
     source.write_text("#error this machine has no usable compiler\n")
     monkeypatch.setattr(cpu_ext, "_DECODE", cpu_ext._Extension("kvgate_decode", source, []))
-    monkeypatch.setattr(engine.setup, "_decode_warned", False)
+    monkeypatch.setattr(engine.runner.setup, "_decode_warned", False)
     return tmp_path
 
 

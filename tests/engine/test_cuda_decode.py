@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine import SamplingParams
-from engine.cuda_decode import CudaDecoder, buckets
+from engine.runner.cuda_decode import CudaDecoder, buckets
 from kernels import decode_kernel_loaded
 
 _PROMPTS = [[1, 2, 3, 4, 5], list(range(7, 40)), [9] * 17]  # 3 rows: a 4-row bucket, one padding row

@@ -12,7 +12,7 @@ import torch
 
 from engine import EngineConfig, InvalidRequestError, LLMEngine, SamplingParams, StructuredOutput
 from engine.replay import StreamItem, run_stream
-from engine.setup import load_model
+from engine.runner.setup import load_model
 from engine.testing import with_kv_pool
 from tests.engine.determinism_harness import Observation, load_items, random_prompt, run_alone, run_with_load
 

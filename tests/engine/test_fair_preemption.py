@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from engine import SamplingParams
-from engine.fair import TenantShare
+from engine.sched.fair import TenantShare
 from tests.engine.sched_sim import SimEngine
 
 

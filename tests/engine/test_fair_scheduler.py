@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine import EngineConfig, InvalidRequestError, LLMEngine, SamplingParams
-from engine.fair import TenantShare
+from engine.sched.fair import TenantShare
 from tests.engine.sched_sim import SimEngine
 
 

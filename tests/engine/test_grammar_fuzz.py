@@ -20,9 +20,9 @@ from hypothesis import strategies as st
 
 from engine import SamplingParams, StructuredOutput, StructuredOutputError
 from engine.errors import StepError
-from engine.grammar import GrammarCompiler, new_matcher
-from engine.loader import load_tokenizer
-from engine.step_guard import MAX_FAILED_STEPS, StepGuard
+from engine.front.step_guard import MAX_FAILED_STEPS, StepGuard
+from engine.grammar.compiler import GrammarCompiler, new_matcher
+from engine.runner.loader import load_tokenizer
 
 NUM_EXAMPLES = int(os.environ.get("KVGATE_FUZZ_EXAMPLES", "150"))
 IS_RANDOM = os.environ.get("KVGATE_FUZZ_RANDOM") == "1"

@@ -12,8 +12,8 @@ import pytest
 
 from engine import SamplingParams, StructuredOutput, StructuredOutputError
 from engine.errors import EngineUnavailableError, StepError
-from engine.regex_cost import MAX_REGEX_EXPANSION, regex_expansion
-from engine.work_queue import FairWorkQueue, QueueFullError
+from engine.grammar.regex_cost import MAX_REGEX_EXPANSION, regex_expansion
+from engine.grammar.work_queue import FairWorkQueue, QueueFullError
 from tests.engine.invariants import check_pool_invariants
 
 _HOSTILE = [  # the specs that froze every tenant's stream for seconds
@@ -97,7 +97,7 @@ def test_the_work_queue_bounds_each_key_and_drops_jobs_not_started_by_their_dead
 
 
 def test_one_tenant_cannot_evict_every_tenants_compiled_grammars(monkeypatch, tokenizer):
-    from engine import grammar
+    from engine.grammar import compiler as grammar
 
     monkeypatch.setattr(grammar, "CACHE_SIZE", 8)
     monkeypatch.setattr(grammar, "CACHE_PER_KEY", 3)
@@ -112,7 +112,7 @@ def test_one_tenant_cannot_evict_every_tenants_compiled_grammars(monkeypatch, to
 
 
 def test_one_tenant_cannot_fill_the_compile_queue(monkeypatch, tokenizer):
-    from engine import grammar
+    from engine.grammar import compiler as grammar
 
     compiler = grammar.GrammarCompiler(tokenizer)
     release = threading.Event()
@@ -127,7 +127,7 @@ def test_one_tenant_cannot_fill_the_compile_queue(monkeypatch, tokenizer):
 
 
 def test_a_grammar_whose_first_mask_costs_over_the_trial_budget_is_refused_at_compile(monkeypatch, tokenizer):
-    from engine import grammar
+    from engine.grammar import compiler as grammar
 
     compiler = grammar.GrammarCompiler(tokenizer)
     compiler.check(StructuredOutput(regex="[0-9]{1,5}"))  # well within the budget
@@ -147,7 +147,7 @@ def tokenizer(tiny_llama_dir):
 def slow_masks(monkeypatch):
     """The grammar library's masks, each taking ``delay[0]`` seconds longer (a costly grammar's mask, as
     a spec past the static checks could cost: the real masks, computed late)."""
-    from engine import grammar_masks
+    from engine.grammar import masks as grammar_masks
 
     delay = [0.0]
     real = grammar_masks._compute

@@ -1,6 +1,7 @@
-"""The engine process hands its heap's free pages back to the system (``engine.allocator.HeapTrimmer``):
-glibc keeps what a step frees inside a fragmented heap resident, and the engine child's RSS grew under
-sustained mixed traffic until it trimmed when idle and every few seconds while it works."""
+"""The engine process hands its heap's free pages back to the system
+(``engine.runner.allocator.HeapTrimmer``): glibc keeps what a step frees inside a fragmented heap
+resident, and the engine child's RSS grew under sustained mixed traffic until it trimmed when idle and
+every few seconds while it works."""
 
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ import psutil
 import pytest
 
 from engine import EngineConfig, SamplingParams
-from engine.allocator import HeapTrimmer
-from engine.process import ProcessLLMEngine
+from engine.front.process import ProcessLLMEngine
+from engine.runner.allocator import HeapTrimmer
 from tests.engine import malloc_probe
 
 pytestmark = [pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator"),
@@ -27,7 +28,7 @@ _MIN_RELEASED_MIB = malloc_probe.FRAGMENT_MIB * 3 // 4  # most of it: the engine
 _PROBE = """
 import psutil
 from tests.engine.malloc_probe import fragment_heap
-from engine.allocator import HeapTrimmer
+from engine.runner.allocator import HeapTrimmer
 rss = lambda: psutil.Process().memory_info().rss >> 20
 before = rss(); fragment_heap(); fragmented = rss()
 HeapTrimmer(0).trim(); off = rss()

@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-import engine.setup
+import engine.runner.setup
 from engine import InvalidRequestError, SamplingParams
 
 _MODES = ("fast", "batch_invariant")
@@ -40,18 +40,18 @@ def _assert_started_without_batch_invariance(make_engine, caplog) -> None:
 @pytest.mark.parametrize("target", ["build", "verify"])
 def test_a_failing_cpu_plan_disables_only_batch_invariance(tiny_engine_factory, monkeypatch, caplog, target):
     if target == "build":
-        monkeypatch.setattr(engine.setup.TilePlan, "build", classmethod(_boom))
+        monkeypatch.setattr(engine.runner.setup.TilePlan, "build", classmethod(_boom))
     else:
-        monkeypatch.setattr(engine.setup, "verify_row_invariance", _boom)
+        monkeypatch.setattr(engine.runner.setup, "verify_row_invariance", _boom)
     # The C++ kernels may be unbuildable here; that is its own (already handled) reason, so skip the build.
-    monkeypatch.setattr(engine.setup, "prepare_cpu_kernels", lambda cache_dir=None: None)
+    monkeypatch.setattr(engine.runner.setup, "prepare_cpu_kernels", lambda cache_dir=None: None)
     _assert_started_without_batch_invariance(
         lambda: tiny_engine_factory(determinism_modes=_MODES, invariant_backend="cpp"), caplog)
 
 
 def test_a_failing_triton_plan_disables_only_batch_invariance(tiny_engine_factory, monkeypatch, caplog):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setattr(engine.setup, "TritonPlan", _boom)
+    monkeypatch.setattr(engine.runner.setup, "TritonPlan", _boom)
     _assert_started_without_batch_invariance(
         lambda: tiny_engine_factory(determinism_modes=_MODES, invariant_backend="triton"), caplog)
 
@@ -60,7 +60,7 @@ def test_an_interrupt_during_the_check_is_not_swallowed(tiny_engine_factory, mon
     def interrupt(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(engine.setup, "prepare_cpu_kernels", lambda cache_dir=None: None)
-    monkeypatch.setattr(engine.setup, "verify_row_invariance", interrupt)
+    monkeypatch.setattr(engine.runner.setup, "prepare_cpu_kernels", lambda cache_dir=None: None)
+    monkeypatch.setattr(engine.runner.setup, "verify_row_invariance", interrupt)
     with pytest.raises(KeyboardInterrupt):
         tiny_engine_factory(determinism_modes=_MODES, invariant_backend="cpp")

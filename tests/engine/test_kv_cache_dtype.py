@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from engine import EngineConfig, SamplingParams
-from engine.kv_alloc import bytes_per_block
-from engine.loader import load_model_config
+from engine.runner.kv_alloc import bytes_per_block
+from engine.runner.loader import load_model_config
 from kernels.kv_quant import QuantizedKV
 
 PROMPTS = [[1 + (i * 7 + j) % 200 for j in range(20 + 13 * i)] for i in range(4)]

@@ -8,7 +8,7 @@ import shutil
 import pytest
 
 from engine import EngineConfig, LLMEngine, ModelLoadError
-from engine.loader import resolve_model_dir
+from engine.runner.loader import resolve_model_dir
 
 
 def test_missing_model_is_a_clear_error(tmp_path):
@@ -38,12 +38,12 @@ def test_unsupported_architecture_is_a_clear_error(tmp_path, tiny_llama_dir):
 
 
 def test_default_model_loads_from_the_cache(default_model_dir, monkeypatch):
-    import engine.loader
+    import engine.runner.loader
 
     assert (default_model_dir / ".complete").is_file()
 
     def no_second_conversion(*_):
         raise AssertionError("converted again although the cache is complete")
 
-    monkeypatch.setattr(engine.loader, "convert_gguf", no_second_conversion)
+    monkeypatch.setattr(engine.runner.loader, "convert_gguf", no_second_conversion)
     assert resolve_model_dir(None) == default_model_dir

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from engine import InvalidRequestError, InvalidSamplingParamsError, SamplingParams
-from engine.logits import apply_penalties
 from engine.request import Sequence
+from engine.runner.logits import apply_penalties
 
 VOCAB = 64
 

@@ -7,7 +7,7 @@ import struct
 
 import pytest
 
-from engine.pipe import FrameReader, FrameWriter, encode
+from engine.front.pipe import FrameReader, FrameWriter, encode
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 
 from engine import SamplingParams
-from engine.hashing import BlockHash, BlockHasher
+from engine.sched.hashing import BlockHash, BlockHasher
 from tests.engine.invariants import check_pool_invariants
 from tests.engine.oracle import check_outputs_equal
 
@@ -186,7 +186,7 @@ def test_default_model_outputs_match_cache_off(default_model_dir):
     """The real model (30 layers, float32): cold, warm, partially warm and cross-namespace requests give
     the cache-off tokens, with logprobs within float-summation noise."""
     from engine import EngineConfig, LLMEngine
-    from engine.setup import load_model
+    from engine.runner.setup import load_model
 
     loaded = load_model(EngineConfig(num_kv_blocks=64, dtype="float32"))
     system = loaded.tokenizer.encode(_TEXT * 3, add_special_tokens=False)[:200]

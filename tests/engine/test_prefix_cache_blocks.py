@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from engine import SamplingParams
-from engine.hashing import BlockHash, BlockHasher
-from engine.kv_cache_manager import KVCacheManager
 from engine.request import Sequence
+from engine.sched.hashing import BlockHash, BlockHasher
+from engine.sched.kv_cache_manager import KVCacheManager
 
 BS = 4
 

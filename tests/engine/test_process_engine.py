@@ -11,7 +11,7 @@ import pytest
 
 from engine import AsyncLLMEngine, EngineConfig, InvalidRequestError, ModelLoadError, SamplingParams
 from engine.errors import EngineUnavailableError, PromptTooLongError
-from engine.process import ProcessLLMEngine
+from engine.front.process import ProcessLLMEngine
 from tests.engine.test_async import abandon_mid_stream
 
 pytestmark = pytest.mark.timeout(120)

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from engine import EngineConfig
-from engine.process import ProcessLLMEngine
-from engine.process_child import EngineChild
+from engine.front.process import ProcessLLMEngine
+from engine.front.process_child import EngineChild
 
 pytestmark = pytest.mark.timeout(600)  # an engine start takes minutes on loaded cores
 

@@ -9,7 +9,7 @@ import pytest
 import uvloop
 
 from engine import EngineConfig, SamplingParams
-from engine.process import ProcessLLMEngine
+from engine.front.process import ProcessLLMEngine
 
 pytestmark = pytest.mark.timeout(240)
 

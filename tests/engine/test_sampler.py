@@ -8,7 +8,7 @@ import torch
 
 from engine.determinism import ENGINE_VERSION
 from engine.request import SamplingParams, Sequence
-from engine.sampler import _cumsum64, draw_uniform, sample
+from engine.runner.sampler import _cumsum64, draw_uniform, sample
 
 PROBS = [0.4, 0.25, 0.15, 0.1, 0.06, 0.04]
 LOGITS = torch.tensor(PROBS).log()
@@ -246,7 +246,7 @@ def test_row_by_row_prefix_sums_are_the_bits_of_the_batched_ones(rows):
 def test_min_p_alone_draws_the_tokens_the_ranked_cut_would():
     """A row with min-p and neither top-k nor top-p skips the ranking (its kept tokens are those above its
     floor); its token is the one the ranked cut over the same probabilities gives."""
-    from engine.sampler import _draw_truncated, _probs
+    from engine.runner.sampler import _draw_truncated, _probs
 
     gen = torch.Generator().manual_seed(11)
     logits = torch.randn(24, 49152, generator=gen) * 3.0

@@ -12,9 +12,9 @@ import uvloop
 
 from engine import EngineConfig, SamplingParams
 from engine.errors import EngineUnavailableError, RequestFailedError, StepError
+from engine.front.process import ProcessLLMEngine
+from engine.front.step_guard import MAX_FAILED_STEPS, StepGuard
 from engine.models.llama import LlamaForCausalLM
-from engine.process import ProcessLLMEngine
-from engine.step_guard import MAX_FAILED_STEPS, StepGuard
 from tests.engine import faulty_model
 from tests.engine.invariants import check_pool_invariants
 

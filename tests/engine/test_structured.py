@@ -11,7 +11,7 @@ import pytest
 
 from engine import SamplingParams, StructuredOutput, StructuredOutputError
 from engine.errors import StepError
-from engine.grammar import GrammarCompiler, check_structured
+from engine.grammar.compiler import GrammarCompiler, check_structured
 from engine.structured import MAX_SPEC_BYTES
 
 # Schemas a random tiny model must finish: every string, number and array is bounded.
@@ -194,7 +194,7 @@ def test_default_model_writes_valid_json_for_free_form_schemas(default_model_dir
 
 def test_a_grammar_not_ready_by_its_deadline_fails_the_request(engine, monkeypatch):
     # A fresh compiler builds its token trie first (~0.4 s): far past a 50 ms deadline.
-    from engine.grammar_queue import GrammarQueue
+    from engine.grammar.waiting import GrammarQueue
 
     slow = GrammarCompiler(engine.tokenizer, vocab_size=49152, eos_token_ids=(2,), timeout_s=0.05)
     monkeypatch.setattr(engine, "grammars", GrammarQueue(slow, engine.masks))

@@ -1,5 +1,5 @@
-"""The engine's step time shared by tenants (``engine.time_share``), on synthetic load with synthetic step
-costs (the real scheduler and KV manager, no model: tests/engine/sched_sim.py)."""
+"""The engine's step time shared by tenants (``engine.sched.time_share``), on synthetic load with synthetic
+step costs (the real scheduler and KV manager, no model: tests/engine/sched_sim.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.time_share import NOMINAL_CPU, StepCost, water_fill
+from engine.sched.time_share import NOMINAL_CPU, StepCost, water_fill
 from tests.engine.sched_sim import SimEngine
 
 TARGET_MS = 60.0

@@ -198,7 +198,7 @@ def llm(tiny_model_dir: Path):  # type: ignore[no-untyped-def]
     by tests/engine/test_process_uvloop.py and by the real servers of tests/gateway/test_served.py.
     """
     from engine import EngineConfig
-    from engine.process import ProcessLLMEngine
+    from engine.front.process import ProcessLLMEngine
 
     engine = ProcessLLMEngine(
         EngineConfig(

@@ -28,7 +28,7 @@ from bench.stream_client import (
     chunk_text,
     summarize,
 )
-from engine.loader import load_tokenizer, resolve_model_dir
+from engine.runner.loader import load_tokenizer, resolve_model_dir
 from gateway.schemas.openai import ChatCompletionRequest, CompletionRequest
 
 PROMPT = Prompt((5, 6, 7), "five six seven", 20)

@@ -11,7 +11,7 @@ from tests.gateway.conftest import open_gateway
 
 async def test_the_gateway_serves_with_the_engine_in_a_child_process(tmp_path: Path, sqlite_url: str,
                                                                      tiny_model_dir: Path) -> None:
-    from engine.process import ProcessLLMEngine
+    from engine.front.process import ProcessLLMEngine
 
     child = None
     async for gw in open_gateway(tmp_path, sqlite_url, None, engine_process=True, model=str(tiny_model_dir),

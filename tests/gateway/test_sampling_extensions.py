@@ -32,7 +32,7 @@ class EosEngine:
 
 @pytest.fixture(scope="module")
 def eos_llm(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
-    from engine.process import ProcessLLMEngine
+    from engine.front.process import ProcessLLMEngine
 
     # Only the fast mode these requests run in: batch_invariant's start-up proves its kernels, seconds
     fast = {"dtype": "float32", "determinism_modes": ("fast",)}

@@ -25,7 +25,7 @@ def _events(body: str) -> list[dict]:
 async def test_a_request_the_engine_fails_alone_is_a_500_and_the_engine_serves_on(
         tmp_path: Path, sqlite_url: str, tiny_model_dir: Path) -> None:
     from engine import EngineConfig
-    from engine.process import ProcessLLMEngine
+    from engine.front.process import ProcessLLMEngine
 
     engine = ProcessLLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=64),
                               initializer=faulty_model.install)

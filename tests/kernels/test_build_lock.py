@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.setup import default_cache_dir
+from engine.runner.setup import default_cache_dir
 from kernels import KernelBuildError
 from kernels.cpu_ext import _DECODE, _build_lock, _build_tag, _Extension
 

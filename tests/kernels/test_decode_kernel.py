@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.setup import default_cache_dir
+from engine.runner.setup import default_cache_dir
 from kernels import load_decode_kernel, paged_decode_attention
 from kernels.reference import ref_paged_decode_attention
 

@@ -146,7 +146,7 @@ def _dequantize(w) -> torch.Tensor:
 
 @pytest.fixture
 def default_cache_dir_kernels():
-    from engine.setup import default_cache_dir
+    from engine.runner.setup import default_cache_dir
     from kernels import load_decode_kernel
 
     load_decode_kernel(default_cache_dir())

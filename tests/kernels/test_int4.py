@@ -75,7 +75,7 @@ def test_steps_of_few_rows_use_the_four_bit_weights_and_larger_ones_the_dense(ti
         rows_seen.append(x.shape[0])
         return real(x, w4)
 
-    monkeypatch.setattr("engine.models.llama.int4_linear", counting)
+    monkeypatch.setattr("engine.models.layers.int4_linear", counting)
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     outs = engine.generate(["a b c d e f g h i j k l", "one two three four five six seven"], params)
     assert all(len(o.token_ids) == 6 for o in outs)
@@ -95,7 +95,7 @@ def test_the_float32_that_auto_picks_uses_the_copies_and_an_explicit_float32_doe
                                                                                     monkeypatch):
     """A CPU without bfloat16 instructions (AVX2 servers) decodes few rows on the 4-bit copies in float32;
     ``dtype="float32"`` asked for by name keeps transformers' arithmetic."""
-    monkeypatch.setattr("engine.setup.has_fast_bf16_matmul", lambda: False)
+    monkeypatch.setattr("engine.runner.setup.has_fast_bf16_matmul", lambda: False)
     engine = LLMEngine(EngineConfig(num_kv_blocks=64, determinism_modes=("fast",)))
     model = engine.loaded.model
     assert engine.loaded.dtype == torch.float32 and model.int4_max_rows == 16 and model.fused_decode
@@ -107,7 +107,7 @@ def test_the_float32_that_auto_picks_uses_the_copies_and_an_explicit_float32_doe
 
 
 def test_a_q8_0_head_packs_exactly_and_the_grouped_int8_kernel_matches_it():
-    from engine.setup import default_cache_dir
+    from engine.runner.setup import default_cache_dir
     from kernels.cpu_ext import load_int8_kernel
     from kernels.int8 import int8_linear, is_exact, pack_int8
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine.determinism import INVARIANT_TILE_ROWS, TilePlan, tiled_linear, verify_row_invariance
-from engine.setup import default_cache_dir
+from engine.runner.setup import default_cache_dir
 from kernels import load_cpu_kernels, paged_attention_rows
 from tests.kernels.rows_case import rows_case
 

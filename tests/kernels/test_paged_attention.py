@@ -7,7 +7,7 @@ import importlib
 import pytest
 import torch
 
-from engine.setup import default_cache_dir
+from engine.runner.setup import default_cache_dir
 from kernels import AttentionMetadata, DecodeGroup, PrefillSpan, load_decode_kernel, paged_attention, store_kv
 from kernels.reference import ref_paged_attention, ref_store_kv
 

@@ -24,9 +24,10 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.model_runner import ModelRunner
-from engine.request import RequestStatus, Sequence, TokenLogprobs
-from engine.scheduler import Scheduler
+from engine.outputs import TokenLogprobs
+from engine.request import RequestStatus, Sequence
+from engine.runner.model_runner import ModelRunner
+from engine.sched.scheduler import Scheduler
 
 logger = logging.getLogger("kvgate.engine")
 

@@ -1,6 +1,6 @@
 """Structured outputs on llguidance: specs compiled off the step path (per tenant, in turn) into cached
 matchers, each tried on its first token mask, and the masks applied to a step's constrained rows (the masks
-themselves are computed ahead of the step: ``engine.grammar_masks``)."""
+themselves are computed ahead of the step: ``engine.grammar.masks``)."""
 
 from __future__ import annotations
 
@@ -20,9 +20,9 @@ import numpy as np
 import torch
 
 from engine.errors import EngineUnavailableError, StructuredOutputError
-from engine.grammar_masks import WORKER_NICE
+from engine.grammar.masks import WORKER_NICE
+from engine.grammar.work_queue import FairWorkQueue, QueueFullError
 from engine.structured import StructuredOutput
-from engine.work_queue import FairWorkQueue, QueueFullError
 
 COMPILE_TIMEOUT_S = 10.0  # a grammar not ready by then fails its request (a compile not started is dropped)
 TRIAL_BUDGET_S = 0.5      # a grammar's first token mask, computed with its compile, may take this long
@@ -33,7 +33,8 @@ PENDING_PER_KEY = MAX_PENDING // 4  # of which one cache key (a tenant) may queu
 COMPILE_WORKERS = 2       # one cache key compiles on one of them at a time
 # llguidance's own bounds, every one set: the lexer's build and per-token fuel, its states (1-2 kB each),
 # the Earley items of a token's step and of a row, the grammar's size. They bound a grammar's memory and
-# the parser's work; they do not bound a regex's unrolled counts (engine.regex_cost does, before this).
+# the parser's work; they do not bound a regex's unrolled counts (engine.grammar.regex_cost does, before
+# this).
 _LIMITS = dict(initial_lexer_fuel=2_000_000, step_lexer_fuel=400_000, max_lexer_states=50_000,
                step_max_items=50_000, max_items_in_row=2_000, max_grammar_size=500_000,
                precompute_large_lexemes=True, verbose_errors=False)

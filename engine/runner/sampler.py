@@ -6,8 +6,9 @@ import hashlib
 
 import torch
 
-from engine.logits import process_logits
-from engine.request import Sequence, TokenLogprobs
+from engine.outputs import TokenLogprobs
+from engine.request import Sequence
+from engine.runner.logits import process_logits
 
 # Candidate counts for finding a row's top-k/top-p cut, tried in turn: the rows whose cut the K most
 # likely tokens do not settle move on to the next count (a full sort at the vocabulary size). The
@@ -179,7 +180,7 @@ def _logprobs(logits: torch.Tensor, seqs: list[Sequence], tokens: list[int]) -> 
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[TokenLogprobs | None]]:
-    """Pick one token per row, after ``engine.logits.process_logits`` (logit_bias, penalties, grammar
+    """Pick one token per row, after ``engine.runner.logits.process_logits`` (logit_bias, penalties, grammar
     masks; in place): greedy rows by argmax, the rest all at once by one counter-based uniform
     per row (``draw_uniform`` of the row's seed, sample index and position) through the inverse CDF of
     its temperature-scaled, top-k/top-p-truncated distribution. A row's token depends only on its own

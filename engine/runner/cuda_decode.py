@@ -5,7 +5,7 @@ A decode step of a small model is bound by the host: 30 layers of ~150 launches 
 about a dozen small blocking copies of the step's inputs. Here a decode-only ``fast`` step writes its
 inputs into one pinned host buffer, copies it to the device without blocking, and replays the graph
 captured for the smallest bucket that holds its rows. The rows past the real ones (padding) decode token
-0 at position 0 into the reserved null block (``engine.setup.load_model``'s last block, which no
+0 at position 0 into the reserved null block (``engine.runner.setup.load_model``'s last block, which no
 sequence owns) and read only it; each layer zeroes it again after its attention, so it stays the zeros
 every kernel that reads table padding relies on.
 

@@ -6,7 +6,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.errors import ModelLoadError
-from engine.loader import ModelConfig
+from engine.runner.loader import ModelConfig
 from kernels.kv_quant import QUANT_DTYPES, QuantizedKV, bytes_per_token_head
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.request import CompletionOutput, RequestDelta, RequestOutput, TokenLogprobs
+from engine.outputs import CompletionOutput, RequestDelta, RequestOutput, TokenLogprobs
 
 
 class _Sample:

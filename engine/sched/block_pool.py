@@ -6,7 +6,7 @@ import itertools
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from engine.hashing import BlockHash
+from engine.sched.hashing import BlockHash
 
 
 class Block:

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from engine.cuda_decode import CudaDecoder
 from engine.determinism import BATCH_INVARIANT, FAST, FIXED, deterministic_algorithms
-from engine.request import Sequence, TokenLogprobs
-from engine.sampler import sample
+from engine.outputs import TokenLogprobs
+from engine.request import Sequence
+from engine.runner.cuda_decode import CudaDecoder
+from engine.runner.sampler import sample
 from kernels import AttentionMetadata, DecodeGroup, InvariantRows, PrefillSpan
 from kernels.kv_quant import QuantizedKV
 
@@ -23,14 +24,14 @@ class ModelRunner:
         self.device = device
         self.tile_plan = None  # engine.determinism.TilePlan once batch_invariant is enabled
         self._offsets = torch.arange(block_size, device=device)
-        # The pool's last block is never allocated and stays zero (``engine.setup.load_model``): block
+        # The pool's last block is never allocated and stays zero (``engine.runner.setup.load_model``): block
         # tables are padded with it, so padding a kernel reads holds zeros, not another sequence's K/V.
         self.null_block = kv_caches[0][0].shape[0] - 1
         self.decoder: CudaDecoder | None = None  # decode-only fast steps on CUDA (enable_cuda_decode)
 
     def enable_cuda_decode(self, max_rows: int, use_graphs: bool) -> None:
         """On CUDA with Triton, run decode-only ``fast`` steps of up to ``max_rows`` rows through
-        ``engine.cuda_decode`` (one pinned input copy; CUDA graphs unless ``use_graphs`` is False).
+        ``engine.runner.cuda_decode`` (one pinned input copy; CUDA graphs unless ``use_graphs`` is False).
         Elsewhere a no-op: the CPU keeps its path."""
         from kernels.paged_attention import has_triton
 

@@ -5,7 +5,7 @@ and the caller's threads (an event loop, a database writer) take turns on one GI
 between them waits for the engine to let go of it. Here the child runs the step loop alone; the parent
 keeps a tokenizer and two pipes, read by its event loop (or a reader thread). Commands (add, abort, stop)
 go down one pipe; each step's deltas (new tokens, text and logprobs only) come back up the other in one
-frame with the engine's statistics (``engine.pipe`` says why the framing is its own).
+frame with the engine's statistics (``engine.front.pipe`` says why the framing is its own).
 
 If the child dies, its requests end with ``EngineUnavailableError`` and a new child is started, with a
 growing pause between failed starts; requests made meanwhile are refused with the same error. Once a
@@ -22,12 +22,12 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from engine.client import RequestStream, StreamingFront
 from engine.config import EngineConfig
 from engine.errors import EngineUnavailableError
-from engine.process_child import DeterminismSummary, EngineChild, Ready
+from engine.front.client import RequestStream, StreamingFront
+from engine.front.process_child import DeterminismSummary, EngineChild, Ready
+from engine.outputs import RequestDelta
 from engine.protocol import EngineRequest
-from engine.request import RequestDelta
 from engine.stats import EngineStats
 
 __all__ = ["DeterminismSummary", "ProcessLLMEngine"]
@@ -53,7 +53,7 @@ class ProcessLLMEngine(StreamingFront):
 
     def __init__(self, config: EngineConfig | None = None, *, initializer: Callable[..., None] | None = None,
                  initargs: tuple = (), restart: bool = True) -> None:
-        from engine.loader import load_tokenizer
+        from engine.runner.loader import load_tokenizer
 
         self._spawn_args = (config or EngineConfig(), initializer, initargs)
         self._child: EngineChild | None = EngineChild(*self._spawn_args)

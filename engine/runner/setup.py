@@ -23,8 +23,16 @@ from engine.determinism import (
     weights_digest,
 )
 from engine.errors import ModelLoadError
-from engine.kv_alloc import DTYPES, allocate_kv_caches, bytes_per_block, check_kv_dtype, kv_dtype, pool_nbytes
-from engine.loader import (
+from engine.models import LlamaForCausalLM
+from engine.runner.kv_alloc import (
+    DTYPES,
+    allocate_kv_caches,
+    bytes_per_block,
+    check_kv_dtype,
+    kv_dtype,
+    pool_nbytes,
+)
+from engine.runner.loader import (
     DEFAULT_MODEL_NAME,
     ModelConfig,
     default_cache_dir,
@@ -33,7 +41,6 @@ from engine.loader import (
     load_tokenizer,
     resolve_model_dir,
 )
-from engine.models import LlamaForCausalLM
 from kernels import KernelBuildError, load_cpu_kernels, load_decode_kernel
 from kernels.cpu_ext import load_int8_kernel
 from kernels.int4 import int4_available

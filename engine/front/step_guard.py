@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from engine.errors import RequestFailedError, StepError
-from engine.request import RequestDelta
+from engine.outputs import RequestDelta
 
 if TYPE_CHECKING:
     from engine.core import LLMEngine

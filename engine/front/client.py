@@ -11,13 +11,15 @@ from collections.abc import AsyncIterator, Sequence
 
 from engine.config import EngineConfig
 from engine.core import LLMEngine
+from engine.determinism import Determinism
 from engine.errors import EngineUnavailableError
-from engine.fair import TenantShare
+from engine.front.step_guard import StepGuard
+from engine.front.stream_output import OutputAccumulator
+from engine.outputs import RequestDelta, RequestOutput
 from engine.protocol import EngineRequest
-from engine.request import RequestDelta, RequestOutput, SamplingParams
+from engine.request import SamplingParams
+from engine.sched.fair import TenantShare
 from engine.stats import EngineStats
-from engine.step_guard import StepGuard
-from engine.stream_output import OutputAccumulator
 
 logger = logging.getLogger("kvgate.engine")
 
@@ -67,6 +69,18 @@ class RequestStream:
 class StreamingFront:
     """``generate`` for async engine fronts: each request's deltas arrive on a ``RequestStream`` that the
     front fills from wherever its engine runs (``_submit`` starts a request, ``abort`` ends one early)."""
+
+    determinism: Determinism  # set by the front once its engine is up
+
+    @property
+    def modes(self) -> tuple[str, ...]:
+        """The determinism modes the engine serves."""
+        return self.determinism.modes
+
+    @property
+    def bi_error(self) -> str | None:
+        """Why ``batch_invariant`` is off on this engine; ``None`` where it is served."""
+        return self.determinism.bi_error
 
     def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                  request_id: str | None = None, *, cache_namespace: bytes = b"",

@@ -15,12 +15,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from engine.allocator import HeapTrimmer, fix_mmap_threshold
 from engine.config import EngineConfig
-from engine.pipe import FrameReader, FrameWriter, enlarge
-from engine.request import RequestDelta
+from engine.front.pipe import FrameReader, FrameWriter, enlarge
+from engine.front.step_guard import StepGuard
+from engine.outputs import RequestDelta
+from engine.runner.allocator import HeapTrimmer, fix_mmap_threshold
 from engine.stats import EngineStats
-from engine.step_guard import StepGuard
 
 logger = logging.getLogger("kvgate.engine")
 _POLL_S = 0.05  # how long an idle child waits for a command before looking again
@@ -142,7 +142,7 @@ def child_main(config: EngineConfig, cmd_conn: Any, out_conn: Any, initializer: 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if config.fixed_mmap_threshold:
-        fix_mmap_threshold()  # before the model and the KV pool: see engine.allocator
+        fix_mmap_threshold()  # before the model and the KV pool: see engine.runner.allocator
     if initializer is not None:
         initializer(*initargs)
     from engine.core import LLMEngine
@@ -194,7 +194,7 @@ def _serve(engine: Any, commands: FrameReader, out: FrameWriter, trimmer: HeapTr
     has_message, guard = PipePoll(commands.fd), StepGuard(engine)
     while True:
         if not engine.has_unfinished() and not has_message(_POLL_S):
-            trimmer.on_idle()  # the heap's free pages back to the system: see engine.allocator
+            trimmer.on_idle()  # the heap's free pages back to the system: see engine.runner.allocator
             continue
         deltas: list[tuple[str, RequestDelta | BaseException]] = []
         is_changed = False

@@ -18,8 +18,8 @@ import torch
 
 from engine.determinism import FIXED
 from engine.errors import StructuredOutputError
+from engine.grammar.work_queue import FairWorkQueue, QueueFullError
 from engine.request import Sequence
-from engine.work_queue import FairWorkQueue, QueueFullError
 
 MASK_DEADLINE_S = 1.0   # a row whose next mask is not done by then fails (its grammar costs too much)
 MASK_GRACE_S = 0.002    # how long a step waits for masks started just before it (a cheap grammar's ~0.1 ms)
@@ -57,7 +57,7 @@ def _compute(matcher) -> bytes:
     mask = matcher.compute_bitmask()  # drops the GIL
     if matcher.is_error():
         error = matcher.get_error()
-        if "NoExtensionBias" in error:  # as engine.outputs words it: the text can go no further
+        if "NoExtensionBias" in error:  # as engine.output_processor words it: the text can go no further
             raise StructuredOutputError("no token of this model's vocabulary can continue the text as the "
                                         "grammar requires")
         raise StructuredOutputError(f"the grammar failed: {error}")

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.grammar import apply_bitmask
-from engine.grammar_masks import mask_rows
+from engine.grammar.compiler import apply_bitmask
+from engine.grammar.masks import mask_rows
 from engine.request import Sequence
 
 
@@ -127,7 +127,7 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
 
 def apply_grammars(logits: torch.Tensor, seqs: list[Sequence]) -> None:
     """Mask, in place, the tokens each constrained row's grammar does not allow next (the masks were
-    computed before the step: ``engine.grammar_masks``)."""
+    computed before the step: ``engine.grammar.masks``)."""
     idx = [i for i, s in enumerate(seqs) if s.matcher is not None]
     if not idx:
         return

@@ -8,10 +8,10 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 
 from engine.errors import StructuredOutputError
-from engine.fair import TenantShare
-from engine.grammar import GrammarCompiler, new_matcher
-from engine.grammar_masks import GrammarMasks, MaskJob
+from engine.grammar.compiler import GrammarCompiler, new_matcher
+from engine.grammar.masks import GrammarMasks, MaskJob
 from engine.request import Sequence
+from engine.sched.fair import TenantShare
 from engine.structured import StructuredOutput
 
 FIRST_MASK_WAIT_S = 0.01  # how long ``add`` waits for a cached grammar's first mask before it queues

@@ -7,10 +7,10 @@ import time
 from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
-from engine.fair import DEFAULT_SHARE, Ledger, Tenant, TenantShare
-from engine.kv_cache_manager import KVCacheManager
 from engine.request import RequestStatus, Sequence
-from engine.time_share import NOMINAL_CPU, NOMINAL_CUDA, TimeShare, is_decode_row, tenant_demand
+from engine.sched.fair import DEFAULT_SHARE, Ledger, Tenant, TenantShare
+from engine.sched.kv_cache_manager import KVCacheManager
+from engine.sched.time_share import NOMINAL_CPU, NOMINAL_CUDA, TimeShare, is_decode_row, tenant_demand
 
 
 @dataclass(slots=True)
@@ -39,13 +39,13 @@ class Scheduler:
     - ``fcfs``: waiting sequences run in arrival order.
     - ``priority``: lower ``priority`` first, then arrival; a sequence that has waited
       ``priority_aging_steps`` steps goes ahead of every priority (oldest first), so none waits forever.
-    - ``fair``: tenants (``TenantShare``) share the batch by weight (``engine.fair``): admission goes to
+    - ``fair``: tenants (``TenantShare``) share the batch by weight (``engine.sched.fair``): admission goes to
       the waiting tenants under their share of the batch slots first, then the lowest virtual time; a
       tenant under its share takes a slot back from the one furthest over it (at once if it runs nothing,
       else only when no running sequence ends within ``preemption_wait_steps``); prefill chunks go to the
       lowest virtual time first, and a tenant's ``max_kv_blocks`` caps what its running sequences hold.
       Priorities apply within a tenant. While two or more tenants have work, the step's time is shared
-      too (``engine.time_share``): the step is sized to ``step_time_target_ms`` and each tenant's decode
+      too (``engine.sched.time_share``): the step is sized to ``step_time_target_ms`` and each tenant's decode
       rows (its least recently served first) and prefill tokens stay within its weighted share of it.
 
     When the pool runs dry the least urgent running sequence is preempted (``fcfs``: the latest admitted;
@@ -54,7 +54,7 @@ class Scheduler:
     cache, so its recompute is mostly cache hits) and it waits again in its own place, by priority and
     arrival. Every decision depends on arrivals and steps only, never on the clock, so ``fixed`` mode's
     schedule stays a function of the arrival order; the one exception is a ``fast`` or ``batch_invariant``
-    grammar row whose next-token mask is late (``engine.grammar_masks``): it sits out the steps until its
+    grammar row whose next-token mask is late (``engine.grammar.masks``): it sits out the steps until its
     mask is done, so that no grammar holds the step everyone shares.
     """
 
@@ -158,8 +158,9 @@ class Scheduler:
             self.time_share.cost.observe(*self.last_step_shape, seconds * 1000.0)
 
     def schedule_ahead(self, seqs: list[Sequence]) -> bool:
-        """Place ``seqs``' decode step after one whose tokens are not yet appended (``engine.overlap``);
-        False unless nothing waits and each gets a block without preempting (blocks taken stay: used next)."""
+        """Place ``seqs``' decode step after one whose tokens are not yet appended
+        (``engine.runner.overlap``); False unless nothing waits and each gets a block without preempting
+        (blocks taken stay: used next)."""
         if self.num_waiting or len(seqs) > self.max_num_batched_tokens or not self._fits_time_share(seqs):
             return False
         for seq in seqs:  # two slots: the pending token's and the new one's
@@ -369,7 +370,7 @@ class Scheduler:
 
     def tenant_stats(self) -> dict[bytes, dict[str, float]]:
         """Per busy tenant (``fair`` only): waiting and running sequences, KV blocks held, and its recent
-        share of the step time (``engine.time_share``; 0 with the time share off)."""
+        share of the step time (``engine.sched.time_share``; 0 with the time share off)."""
         if self.policy != "fair":
             return {}
         shares = self.time_share.share if self.time_share is not None else {}

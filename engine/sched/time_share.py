@@ -1,6 +1,6 @@
 """Fair share of the engine's step time between tenants: a step sized to a time target, split by weight.
 
-Sharing the batch slots by weight (``engine.fair``) is not enough on a CPU, where every row costs step
+Sharing the batch slots by weight (``engine.sched.fair``) is not enough on a CPU, where every row costs step
 time: a tenant with 48 streams and one with 8 both fit in 64 slots, and the 8 then move at the pace of a
 56-row step (plus the flooder's prefill chunks). So, while more than one tenant has work, the step's work
 is sized so that a decode step takes about ``target`` milliseconds (``StepCost``: the device's step
@@ -260,7 +260,7 @@ def water_fill(budget: float, wants: dict[bytes, float], weights: dict[bytes, fl
 def tenant_demand(running: Iterable[Sequence], waiting: Collection[Sequence], max_tokens: int) -> Demand:
     """A tenant's work for the next step: its decode rows, and its prefill tokens (running chunks, then
     waiting prompts) up to ``max_tokens``, the step's token budget; and its streams. A row whose
-    grammar mask is late sits out (``engine.grammar_masks``), so it is no demand."""
+    grammar mask is late sits out (``engine.grammar.masks``), so it is no demand."""
     d = Demand(streams=len(waiting))
     for seq in running:
         left = seq.num_tokens - seq.num_computed_tokens

@@ -5,9 +5,9 @@ The scheduler sees block ids (``seq.block_ids``) only; ``Block`` objects stay in
 
 from __future__ import annotations
 
-from engine.block_pool import Block, BlockPool, NamespaceStats
-from engine.hashing import BlockHash, BlockHasher
 from engine.request import Sequence
+from engine.sched.block_pool import Block, BlockPool, NamespaceStats
+from engine.sched.hashing import BlockHash, BlockHasher
 
 
 class KVCacheManager:
