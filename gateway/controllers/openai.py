@@ -28,7 +28,6 @@ from gateway.schemas.responses import (
     TextCompletionChunk,
 )
 from gateway.tenancy.tenants import current_policy
-from gateway.upstream.call import UPSTREAM_MODES
 
 
 async def _complete(
@@ -63,9 +62,8 @@ async def _model_cards(runtime: Runtime, principal: Principal) -> list[dict[str,
     if policy is None:
         async with runtime.sessionmaker() as session:
             policy = await current_policy(session, principal.tenant_id, runtime.settings.default_policy)
-    engine = runtime.engine
-    cards = [_model_card(engine.model_name, list(engine.determinism.modes))]
-    cards += [_model_card(name, list(UPSTREAM_MODES)) for name in sorted(runtime.routes.targets)]
+    served = [runtime.engine, *(runtime.routes.targets[name] for name in sorted(runtime.routes.targets))]
+    cards = [_model_card(model.model_name, list(model.modes)) for model in served]
     allowed = policy.allowed_models
     return [c for c in cards if allowed is None or c["id"] in allowed]
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from audit.context import bind_request_context, register_sensitive
-from engine import SamplingParams, TenantShare
+from engine import SamplingParams, ServedModel, TenantShare
 from gateway.audit_hook import AuditUnavailableError, DeferredEvent, chain_steps
 from gateway.errors import InvalidRequest, PolicyViolation
 from gateway.inference import retention
@@ -33,7 +33,8 @@ from gateway.principal import Principal
 from gateway.runtime import Runtime
 from gateway.schemas.openai import ChatCompletionRequest, CompletionRequest, RequestKind
 from gateway.tenancy.tenants import current_policy
-from gateway.upstream.call import UPSTREAM_MODES, UpstreamCall, check_cache_fields, find_target, prepare
+from gateway.text.segment_cache import SegmentCache
+from gateway.upstream.call import UpstreamCall, check_cache_fields, find_target, prepare
 from gateway.upstream.table import Target
 from policies import Decision, Policy, RequestContext, evaluate
 
@@ -155,7 +156,7 @@ def _max_prompt_tokens(policy: Policy, max_model_len: int) -> int:
 
 async def _prompt_ids(
     rt: Runtime, principal: Principal, policy: Policy, req: ChatCompletionRequest | CompletionRequest,
-    model: Any,
+    model: ServedModel, segments: SegmentCache,
 ) -> list[int]:
     """The prompt's token ids with ``model``'s tokenizer (the engine, or an upstream ``Target``), after a
     byte cap that refuses what cannot fit without tokenizing it; long prompts go to the bounded pool."""
@@ -164,7 +165,6 @@ async def _prompt_ids(
     check_prompt_bytes(req, _max_prompt_tokens(policy, model.max_model_len), bytes_per_token)
     pool = tokenize_pool(settings.tokenize_threads, settings.tokenize_queue)
     sharer = _sharer(policy.prefix_cache_scope, principal)  # tokenized pieces are shared as KV blocks are
-    segments = rt.segments if model is rt.engine else model.segments
     return await tokenize(model.tokenizer, req, segments, sharer, pool,
                           allow_special_tokens=policy.allow_special_tokens)
 
@@ -173,8 +173,9 @@ async def _decide(
     rt: Runtime, principal: Principal, policy: Policy, req: ChatCompletionRequest | CompletionRequest,
     target: Target | None,
 ) -> tuple[list[int], Decision]:
-    model = rt.engine if target is None else target
-    prompt_ids = await _prompt_ids(rt, principal, policy, req, model)
+    model: ServedModel = rt.engine if target is None else target
+    segments = rt.segments if target is None else target.segments
+    prompt_ids = await _prompt_ids(rt, principal, policy, req, model, segments)
     ctx = RequestContext(
         model=req.model,
         num_prompt_tokens=len(prompt_ids),
@@ -187,11 +188,7 @@ async def _decide(
     if decision.violation is not None:
         v = decision.violation
         raise PolicyViolation(v.message, status=v.status, code=v.code, param=v.param)
-    if target is None:
-        served, bi_error = rt.engine.determinism.modes, rt.engine.determinism.bi_error
-    else:
-        served, bi_error = UPSTREAM_MODES, None
-    _check_mode_available(served, bi_error, decision.determinism, req.determinism)
+    _check_mode_available(model.modes, model.bi_error, decision.determinism, req.determinism)
     return prompt_ids, decision
 
 

@@ -37,10 +37,6 @@ class UpstreamCall:
     affinity: bytes | None
 
 
-# The determinism modes an upstream pool serves: ``fast`` alone (no replay promised).
-UPSTREAM_MODES: tuple[str, ...] = ("fast",)
-
-
 def prepare(target: Target, req: ChatCompletionRequest | CompletionRequest, kind: RequestKind,
             max_tokens: int,
             namespace: bytes, prompt_ids: list[int], salt_key: bytes, may_share_cache: bool) -> UpstreamCall:

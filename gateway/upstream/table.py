@@ -20,6 +20,8 @@ from gateway.upstream.stored import current_routes, open_api_key, parse_route
 
 log = structlog.get_logger()
 REFRESH_S = 5.0
+# The determinism modes an upstream pool serves: ``fast`` alone (no replay promised).
+UPSTREAM_MODES: tuple[str, ...] = ("fast",)
 
 
 @lru_cache(maxsize=16)
@@ -42,15 +44,22 @@ def load_route_tokenizer(path: str) -> Any:
 
 @dataclass
 class Target:
-    """What admission needs of an upstream model: its pool, tokenizer, context and segment cache."""
+    """An upstream model as admission reads it (an ``engine.protocol.ServedModel``): its pool, tokenizer,
+    context, determinism modes and segment cache."""
 
     pool: UpstreamPool
     tokenizer: Any
     segments: SegmentCache
+    modes: tuple[str, ...] = UPSTREAM_MODES
+    bi_error: str | None = None
 
     @property
     def route(self) -> UpstreamRoute:
         return self.pool.route
+
+    @property
+    def model_name(self) -> str:
+        return self.pool.name
 
     @property
     def max_model_len(self) -> int:

@@ -119,6 +119,20 @@ async def test_v1_models_lists_what_the_policy_allows(agw, tiny_model_dir):
     assert r.status_code == 400 and r.json()["error"]["code"] == "determinism_unavailable", r.text
 
 
+async def test_an_upstream_model_and_the_engine_are_both_served_models(agw, tiny_model_dir):
+    """Admission and ``/v1/models`` read either through one type: name, tokenizer, context, modes."""
+    from engine import EngineClient, ServedModel
+
+    route = {"route": _route(tiny_model_dir)}
+    assert (await agw.client.put("/admin/v1/models/up-b", headers=agw.admin(), json=route)).is_success
+    target, engine = agw.runtime.routes.get("up-b"), agw.runtime.engine
+    assert isinstance(target, ServedModel) and not isinstance(target, EngineClient)
+    assert (target.model_name, target.modes, target.bi_error) == ("up-b", ("fast",), None)
+    assert target.max_model_len == target.route.max_model_len and target.tokenizer is not None
+    assert isinstance(engine, EngineClient) and isinstance(engine, ServedModel)
+    assert (engine.modes, engine.bi_error) == (engine.determinism.modes, engine.determinism.bi_error)
+
+
 @ON_SHARED
 async def test_cache_salt_only_from_a_trusting_policy(shared_agw):
     agw = shared_agw
