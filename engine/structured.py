@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 from engine.errors import StructuredOutputError
 from engine.grammar.regex_cost import grammar_regexes, schema_patterns, too_costly
@@ -12,7 +13,8 @@ from engine.grammar.regex_cost import grammar_regexes, schema_patterns, too_cost
 MAX_SPEC_BYTES = 64 * 1024  # the most a spec (schema, regex, grammar, the choices together) may take
 MAX_CHOICES = 1024
 MAX_CACHE_KEY_BYTES = 256
-KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+StructuredKind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
+KINDS: tuple[StructuredKind, ...] = get_args(StructuredKind)
 
 
 def _check(cond: bool, msg: str) -> None:
@@ -91,7 +93,7 @@ class StructuredOutput:
         _check(why is None, f"{why}")
 
     @property
-    def kind(self) -> str:
+    def kind(self) -> StructuredKind:
         """Which constraint this is: one of ``KINDS``."""
         return next(k for k in KINDS if getattr(self, k) not in (None, False))
 

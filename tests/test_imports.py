@@ -247,3 +247,38 @@ def test_what_the_services_build_on_imports_no_service(import_graph):
 def test_the_room_check_sees_a_service_import(import_graph):
     assert _in("gateway.inference.admission", ABOVE_RUNTIME) and not _in("gateway.inferences", ABOVE_RUNTIME)
     assert "gateway.runtime" in _reachable(import_graph, "gateway.inference.admission")
+
+
+def _top_level_names(path: Path) -> set[str]:
+    """Every name a module binds anywhere in its body (defs, classes, assignments, imports): generous, so
+    that a miss is surely a name the module lacks."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.add(node.name)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+        elif isinstance(node, ast.Import | ast.ImportFrom):
+            names |= {(a.asname or a.name).split(".")[0] for a in node.names}
+    return names
+
+
+def test_every_import_of_a_project_module_resolves(import_graph):
+    """An import inside a function runs only when the function does (a benchmark's, a command's): each one
+    must name a module and names that exist, or a moved module breaks a path no other test walks."""
+    modules, names, bad = import_graph.modules, {}, []
+    for path in modules.values():
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                bad += [f"{path.relative_to(ROOT)}:{node.lineno} no module {a.name}" for a in node.names
+                        if a.name.split(".")[0] in PROJECT and a.name not in modules]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module \
+                    and node.module.split(".")[0] in PROJECT:
+                if node.module not in modules:
+                    bad.append(f"{path.relative_to(ROOT)}:{node.lineno} no module {node.module}")
+                    continue
+                bound = names.setdefault(node.module, _top_level_names(modules[node.module]))
+                missing = [a.name for a in node.names
+                           if a.name not in bound and f"{node.module}.{a.name}" not in modules]
+                bad += [f"{path.relative_to(ROOT)}:{node.lineno} {node.module} has no {n}" for n in missing]
+    assert not bad, "\n".join(bad)

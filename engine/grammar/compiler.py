@@ -22,7 +22,7 @@ import torch
 from engine.errors import EngineUnavailableError, StructuredOutputError
 from engine.grammar.masks import WORKER_NICE
 from engine.grammar.work_queue import FairWorkQueue, QueueFullError
-from engine.structured import StructuredOutput
+from engine.structured import StructuredKind, StructuredOutput
 
 COMPILE_TIMEOUT_S = 10.0  # a grammar not ready by then fails its request (a compile not started is dropped)
 TRIAL_BUDGET_S = 0.5      # a grammar's first token mask, computed with its compile, may take this long
@@ -187,7 +187,7 @@ def _was_dropped(fut: Future) -> bool:
     return fut.cancelled() or (fut.done() and isinstance(fut.exception(), TimeoutError))
 
 
-def _trial(matcher: llguidance.LLMatcher, kind: str) -> None:
+def _trial(matcher: llguidance.LLMatcher, kind: StructuredKind) -> None:
     """Compute a copy's first token mask; a grammar whose first mask costs over ``TRIAL_BUDGET_S`` is
     refused before any request takes a place in the engine with it (its later masks cost alike)."""
     t0 = time.perf_counter()

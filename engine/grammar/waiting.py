@@ -12,7 +12,7 @@ from engine.grammar.compiler import GrammarCompiler, new_matcher
 from engine.grammar.masks import GrammarMasks, MaskJob
 from engine.request import Sequence
 from engine.sched.fair import TenantShare
-from engine.structured import StructuredOutput
+from engine.structured import StructuredKind, StructuredOutput
 
 FIRST_MASK_WAIT_S = 0.01  # how long ``add`` waits for a cached grammar's first mask before it queues
 
@@ -23,7 +23,7 @@ class _Waiting:
     share: TenantShare | None
     future: Future           # the compile
     deadline: float          # the compile's; then the first mask's
-    kind: str
+    kind: StructuredKind
     mask: MaskJob | None = None
 
 

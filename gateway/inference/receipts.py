@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from engine import SamplingParams
+from engine.structured import StructuredKind
 from gateway.schemas.openai import RequestKind
 
 if TYPE_CHECKING:
@@ -92,7 +93,7 @@ class Receipt:
     system_fingerprint: str
     params: SamplingParams
     prompt_hash: str | None = None
-    structured_kind: str | None = None
+    structured_kind: StructuredKind | None = None
     structured_hash: str | None = None
     arrival_step: int | None = None
     token_hashes: tuple[str, ...] = ()
