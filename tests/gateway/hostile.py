@@ -55,6 +55,8 @@ def _stops() -> list[str]:
 # Each attack: the body of the attacker's i-th request (i makes fresh specs where a cache would help).
 ATTACKS: dict[str, Callable[[str, int], dict]] = {
     "n8_top_logprobs20": lambda m, i: _chat(m, n=8, logprobs=True, top_logprobs=20),
+    # 16 rows whose nucleus is nearly the whole vocabulary: every token ranked, every step
+    "n8_top_p_whole_vocab": lambda m, i: _chat(m, n=8, temperature=2.0, top_p=0.99999),
     "logit_bias_max": lambda m, i: _chat(m, logit_bias=_bias(), presence_penalty=2.0, frequency_penalty=2.0,
                                          repetition_penalty=2.0),
     # 16 rows of ~8k tokens whose penalties cover every token they have seen

@@ -30,12 +30,14 @@ GRAMMAR_ATTACKS = {"regex_a1000x1000", "regex_fresh", "regex_ab500x500", "json_s
                    "grammar_ambiguous"}
 # What the victim keeps of its pace is asserted for the grammar attacks (a grammar's masks ran inside the
 # shared step, so a grammar could freeze it). The other features' per-row work is bounded in the engine
-# (tests/engine/test_penalties.py and the schema caps) and any hold would show as a gap, which is checked;
-# their cost to the victim's pace is the attacker's volume: two more streams (three rows for one: 52-64%
-# of the victim's pace alone on 2026-11-28, 2 cores), n=8 with top_logprobs (16 rows: 19%), or 128 tools
-# at the body cap (the gateway's CPU admitting them: 36-48%). On a CPU every row costs step time; bounding
-# that is time-fair scheduling's (a tenant's rows and prefill tokens held to its share of a step's time)
-# and per-tenant admission CPU's, not yet built. The figures are printed for each run.
+# (tests/engine/test_penalties.py, the sampler's cut and the schema caps) and any hold would show as a gap,
+# which is checked; their cost to the victim's pace is the attacker's volume: two more streams (three rows
+# for one: 52-64% of the victim's pace alone on 2026-11-28, 2 cores), n=8 with top_logprobs (16 rows:
+# 15-19%), n=8 with a top-p near 1 (16 rows whose cut ranks the whole vocabulary: 15%, as any 16 rows;
+# 6% while that ranking was torch's full sort), or 128 tools at the body cap (the gateway's CPU admitting
+# them: 36-48%). On a CPU every row costs step time: the time share holds each step to its time target
+# (engine/sched/time_share.py), and the victim's pace under a crowd is then that step's, not its pace
+# alone; per-tenant admission CPU is not bounded yet. The figures are printed for each run.
 # Not run here: two long-context n=8 requests with penalties (hostile.ATTACKS["penalties_long_n8"]) keep
 # 16 rows of 8k tokens and their prefill chunks in every step; with nothing to bound a tenant's share of a
 # step's time, the victim's 200 tokens take longer than any deadline this suite can afford (none in 20 s
