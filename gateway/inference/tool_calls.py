@@ -8,6 +8,7 @@ markup of a call never reaches the content, whole or streamed: a streamed tail t
 
 from __future__ import annotations
 
+import json
 import secrets
 import string
 from dataclasses import dataclass, field
@@ -68,7 +69,8 @@ def _parse_block(text: str, names: frozenset[str]) -> Call | None:
 
 
 def _forced_calls(text: str, mode: ToolMode) -> list[Call] | None:
-    """The calls of a forced reply; ``None`` when it is not one (cut short by ``max_tokens``, say)."""
+    """The calls of a forced reply; ``None`` when it is not one. A list of calls cut short (by
+    ``max_tokens``, say) gives the calls it completed, the cut one dropped; ``None`` if it completed none."""
     if mode.kind == "named":
         try:
             args = orjson.loads(text)
@@ -78,9 +80,31 @@ def _forced_calls(text: str, mode: ToolMode) -> list[Call] | None:
     try:
         value = orjson.loads(text)
     except orjson.JSONDecodeError:
-        return None
+        value = _complete_items(text)
+        if not value:
+            return None
     calls = [_as_call(v, mode.names) for v in (value if isinstance(value, list) else [value])]
     return None if not calls or None in calls else calls  # type: ignore[return-value]
+
+
+_DECODER = json.JSONDecoder()
+
+
+def _complete_items(text: str) -> list[Any]:
+    """The items a JSON array cut short completed before the cut: ``[{..}, {..}, {..`` gives the first
+    two. Nothing when ``text`` is no array's start."""
+    text = text.lstrip()
+    if not text.startswith("["):
+        return []
+    items, at = [], 1
+    while True:
+        while at < len(text) and text[at] in " \t\r\n,":
+            at += 1
+        try:
+            item, at = _DECODER.raw_decode(text, at)
+        except json.JSONDecodeError:
+            return items
+        items.append(item)
 
 
 def _held_back(text: str) -> int:

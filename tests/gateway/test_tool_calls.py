@@ -82,6 +82,26 @@ def test_forced_replies():
     assert parse_reply('[{"name": "get_ti', required) == ('[{"name": "get_ti', [])  # cut by max_tokens
 
 
+def test_a_forced_list_cut_short_keeps_the_calls_it_completed():
+    """``tool_choice: required`` with ``max_tokens`` too small for the calls the model keeps appending: the
+    complete ones are the reply's tool calls, the cut one is dropped (whole and streamed), and the finish
+    reason stays ``length``."""
+    from gateway.inference.openai_format import _message
+
+    required = ToolMode("required", NAMES, parallel=True)
+    text = ('[{"name": "get_time", "arguments": {}}, {"name": "get_weather", "arguments": {"city": "A"}},\n'
+            ' {"name": "get_weather", "arguments": {"ci')
+    content, calls = parse_reply(text, required)
+    assert content is None and [c.name for c in calls] == ["get_time", "get_weather"]
+    assert json.loads(calls[1].arguments) == {"city": "A"}
+    assert [n for _, n, _ in _stream(text, required, [7, 60])[1]] == ["get_time", "get_weather"]
+    message, reason = _message(text, "length", required)
+    assert reason == "length" and message["content"] is None and len(message["tool_calls"]) == 2
+    # a call of an undeclared function, even complete, makes the reply no call at all, as a whole one would
+    bad = '[{"name": "get_time", "arguments": {}}, {"name": "rm_rf", "arguments": {}}, {"na'
+    assert parse_reply(bad, required) == (bad, [])
+
+
 def _req(**extra) -> ChatCompletionRequest:
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], **extra}
     return ChatCompletionRequest.model_validate(body)
