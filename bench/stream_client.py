@@ -32,7 +32,8 @@ class Prompt:
 def build_body(server: Server, endpoint: Endpoint, model: str, prompt: Prompt, temperature: float,
                seed: int) -> dict:
     """The streamed request ``server`` gets: exactly ``max_tokens`` tokens (``ignore_eos``), usage in the
-    last event, and the same sampling on both servers."""
+    last event, and the same sampling on both servers (a seeded one in kvgate's ``fast`` mode, which a
+    seed alone would take to its policy's repeatable ``seeded_determinism``)."""
     body: dict = {"model": model, "max_tokens": prompt.max_tokens, "temperature": temperature, "top_p": 1.0,
                   "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
     if endpoint == "chat":
@@ -41,6 +42,8 @@ def build_body(server: Server, endpoint: Endpoint, model: str, prompt: Prompt, t
         body["prompt"] = list(prompt.token_ids)
     if temperature > 0:
         body["seed"] = seed
+        if server == "kvgate":  # llama.cpp's seed promises no repeat: kvgate's fast mode, not its seeded one
+            body["determinism"] = "fast"
     if server == "llama.cpp":
         body |= LLAMA_NEUTRAL_SAMPLING
     return body

@@ -18,7 +18,9 @@ class RequestContext:
         max_tokens: Requested completion budget per choice, or ``None`` for the default.
         n: Number of choices.
         max_model_len: The served model's context length.
-        determinism: Requested determinism mode, or ``None`` for the policy default.
+        determinism: Requested determinism mode, or ``None`` for the policy's.
+        is_seeded: The request sends a ``seed``.
+        served_modes: The determinism modes the model's server serves; ``None``: every mode.
     """
 
     model: str
@@ -27,6 +29,20 @@ class RequestContext:
     n: int
     max_model_len: int
     determinism: str | None = None
+    is_seeded: bool = False
+    served_modes: tuple[str, ...] | None = None
+
+
+def _determinism(policy: Policy, ctx: RequestContext) -> str:
+    """The mode the request runs in: the one it names; for a seeded request naming none, the policy's
+    seeded mode where allowed and served (so the same seed repeats the same output); else the default."""
+    if ctx.determinism is not None:
+        return ctx.determinism
+    seeded = policy.seeded_determinism
+    if (ctx.is_seeded and seeded is not None and seeded in policy.allowed_determinism
+            and (ctx.served_modes is None or seeded in ctx.served_modes)):
+        return seeded
+    return policy.default_determinism
 
 
 def _context_limit(policy: Policy, ctx: RequestContext) -> int:
@@ -97,5 +113,5 @@ def evaluate(policy: Policy, ctx: RequestContext) -> Decision:
         num_reserved_tokens=ctx.num_prompt_tokens + ctx.n * max_tokens,
         priority=policy.priority,
         cache_scope=policy.prefix_cache_scope,
-        determinism=ctx.determinism or policy.default_determinism,  # type: ignore[arg-type]
+        determinism=_determinism(policy, ctx),  # type: ignore[arg-type]
     )

@@ -54,13 +54,19 @@ def bench_quality(
 def bench_determinism(
     num_requests: int = typer.Option(64, help="Requests in the standard workload"),
     modes: str = typer.Option("fast,fixed,batch_invariant", help="Comma list of determinism modes"),
+    configs: str = typer.Option("default,float32", help="Comma list: default (EngineConfig(), as kvgate "
+                                                        "serve runs it), float32"),
     out: str = typer.Option("bench-results/determinism.json", help="Where to write the JSON results"),
     seed: int = typer.Option(0),
 ) -> None:
-    """Throughput and p50/p99 latency of the standard workload in each determinism mode."""
-    from bench.determinism_bench import run_determinism_bench
+    """Throughput and p50/p99 latency of the standard workload in each determinism mode and configuration."""
+    from bench.determinism_bench import CONFIGS, run_determinism_bench
 
-    run_determinism_bench(num_requests=num_requests, out=out, modes=modes.split(","), seed=seed)
+    chosen = tuple(c for c in configs.split(",") if c)
+    if unknown := set(chosen) - set(CONFIGS):
+        raise typer.BadParameter(f"unknown configs {sorted(unknown)}; known: {', '.join(CONFIGS)}")
+    run_determinism_bench(num_requests=num_requests, out=out, modes=modes.split(","), seed=seed,
+                          configs=chosen)
 
 
 @bench_app.command("structured")

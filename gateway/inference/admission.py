@@ -183,6 +183,8 @@ async def _decide(
         n=req.n,
         max_model_len=model.max_model_len,
         determinism=req.determinism,
+        is_seeded=req.seed is not None,
+        served_modes=tuple(model.modes),
     )
     decision = evaluate(policy, ctx)
     if decision.violation is not None:

@@ -49,6 +49,20 @@ def test_determinism():
     assert evaluate(p, ctx(determinism="fast")).violation.code == "determinism_not_allowed"
 
 
+def test_a_seeded_request_naming_no_mode_runs_in_the_seeded_mode_where_allowed_and_served():
+    seeded = ctx(is_seeded=True, served_modes=("fast", "fixed", "batch_invariant"))
+    assert evaluate(Policy(), seeded).determinism == "batch_invariant"
+    assert evaluate(Policy(), ctx(is_seeded=True)).determinism == "batch_invariant"  # None: every mode
+    assert evaluate(Policy(), ctx()).determinism == "fast"  # no seed: the default
+    assert evaluate(Policy(), ctx(is_seeded=True, determinism="fast")).determinism == "fast"  # named
+    assert evaluate(Policy(seeded_determinism=None), seeded).determinism == "fast"
+    assert evaluate(Policy(seeded_determinism="fixed"), seeded).determinism == "fixed"
+    fast_only = Policy(allowed_determinism=("fast",))  # not allowed: the default, no refusal
+    assert evaluate(fast_only, seeded).determinism == "fast" and evaluate(fast_only, seeded).is_allowed
+    upstream = ctx(is_seeded=True, served_modes=("fast",))  # not served (an upstream pool): the default
+    assert evaluate(Policy(), upstream).determinism == "fast"
+
+
 @pytest.mark.parametrize(
     "bad",
     [
