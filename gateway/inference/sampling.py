@@ -14,7 +14,8 @@ from policies import Decision
 # The parameters ``sampling_params`` works out from the request and its policy's decision; every other
 # ``SamplingParams`` field that the request has (by name) reaches the engine as sent. So a new plain
 # field (``min_p``) is a request field and a ``SamplingParams`` field, and nothing here.
-DECIDED = frozenset({"max_tokens", "seed", "stop", "logprobs", "determinism", "logit_bias", "structured"})
+DECIDED = frozenset({"max_tokens", "seed", "stop", "logprobs", "determinism", "logit_bias", "structured",
+                     "stop_token_ids"})
 AS_SENT = tuple(f.name for f in dataclasses.fields(SamplingParams)
                 if f.name in SamplingFields.model_fields and f.name not in DECIDED)
 
@@ -42,6 +43,17 @@ def _logit_bias(req: ChatCompletionRequest | CompletionRequest, vocab_size: int)
     return bias
 
 
+def _stop_token_ids(req: ChatCompletionRequest | CompletionRequest, vocab_size: int) -> list[int]:
+    outside = [t for t in req.stop_token_ids if t >= vocab_size]
+    if outside:
+        raise InvalidRequest(
+            f"stop_token_ids names token {outside[0]}, outside the vocabulary ({vocab_size} tokens).",
+            code="invalid_value",
+            param="stop_token_ids",
+        )
+    return list(req.stop_token_ids)
+
+
 def sampling_params(
     req: ChatCompletionRequest | CompletionRequest,
     decision: Decision,
@@ -52,8 +64,8 @@ def sampling_params(
     text must match (``gateway.inference.structured``).
 
     Raises:
-        InvalidRequest: ``min_tokens`` over ``max_tokens``, a ``logit_bias`` token outside the
-            ``vocab_size`` tokens, or parameters the engine refuses (400).
+        InvalidRequest: ``min_tokens`` over ``max_tokens``, a ``logit_bias`` or ``stop_token_ids`` token
+            outside the ``vocab_size`` tokens, or parameters the engine refuses (400).
     """
     if req.min_tokens > decision.max_tokens:
         limit = "max_tokens" if req.requested_max_tokens is not None else "the room the prompt leaves"
@@ -71,6 +83,7 @@ def sampling_params(
             logprobs=req.num_logprobs,
             determinism=decision.determinism,
             logit_bias=_logit_bias(req, vocab_size),
+            stop_token_ids=_stop_token_ids(req, vocab_size),
             structured=structured,
         )
     except InvalidRequestError as e:

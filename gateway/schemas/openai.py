@@ -62,6 +62,7 @@ _Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 _TokenIdKey = Annotated[str, Field(pattern=r"^[0-9]{1,10}$")]
 _Bias = Annotated[float, Field(ge=-100.0, le=100.0)]
 MAX_LOGIT_BIAS = 300
+MAX_STOP_TOKEN_IDS = 128  # each generated token is looked up among them
 # Which completions API a request came by: /v1/chat/completions or /v1/completions.
 RequestKind = Literal["chat", "text"]
 _Choice = Annotated[str, Field(min_length=1, max_length=1024)]
@@ -79,6 +80,10 @@ class SamplingFields(_Strict):
         min_tokens: Generate at least this many tokens: until then neither the end-of-sequence token nor a
             ``stop`` string ends the completion. At most ``max_tokens`` (or, when that is unset, the room
             the context leaves after the prompt); more is a 400 with ``param`` ``min_tokens``.
+        stop_token_ids: Token ids that end the completion (the id is kept in the output, as vLLM does);
+            at most 128, each in the vocabulary.
+        skip_special_tokens: Leave special tokens out of the text (``true``, the default); ``false`` writes
+            them as the tokenizer spells them.
         determinism: ``fast``, ``fixed`` or ``batch_invariant``, checked against the tenant's policy.
         repetition_penalty: In (0, 2]; 1 disables. Divides the logit of every token already in the prompt
             or the output where positive, multiplies it where negative.
@@ -104,6 +109,9 @@ class SamplingFields(_Strict):
     user: str | None = Field(default=None, max_length=256)
     ignore_eos: bool = False  # extension
     min_tokens: int = Field(default=0, ge=0, le=2**31 - 1)  # extension; at most max_tokens (admission)
+    stop_token_ids: Annotated[list[Annotated[int, Field(ge=0, le=2**31 - 1)]],  # extension
+                              Field(max_length=MAX_STOP_TOKEN_IDS)] = Field(default_factory=list)
+    skip_special_tokens: bool = True  # extension
     determinism: Determinism | None = None  # extension; validated against the tenant's policy
     guided_json: dict[str, Any] | str | None = None  # extension
     guided_regex: str | None = Field(default=None, min_length=1, max_length=16_384)  # extension

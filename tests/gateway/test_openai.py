@@ -205,3 +205,26 @@ async def test_prefix_cache_is_shared_only_within_the_policys_scope(gw):
     assert await cached(key) > 0
     _, key = await gw.make_tenant(policy=Policy(prefix_cache_scope="request"))
     assert await cached(key) == 0 and await cached(key) == 0
+
+
+async def test_stop_token_ids_end_the_completion_and_must_be_in_the_vocabulary(gw):
+    """vLLM's ``stop_token_ids``: generation ends at the first of them (kept in the output, counted in its
+    usage); an id past the vocabulary is the caller's 400, naming the field."""
+    from engine import SamplingParams
+
+    h = await tenant_headers(gw)
+    model, prompt = gw.runtime.engine.model_name, [5, 6, 7, 8]
+    async for out in gw.runtime.engine.generate(prompt, SamplingParams(temperature=0, max_tokens=8,
+                                                                       ignore_eos=True)):
+        ids = out.token_ids
+    at = next(i for i in range(1, len(ids)) if ids[i] not in ids[:i])  # its first appearance ends it
+    body = {"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+            "stop_token_ids": [ids[at]]}
+    r = await gw.client.post("/v1/completions", headers=h, json=body)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "stop" and r.json()["usage"]["completion_tokens"] == at + 1
+    r = await gw.client.post("/v1/completions", headers=h, json=body | {"stop_token_ids": [10**6]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stop_token_ids", r.text
+    r = await gw.client.post("/v1/completions", headers=h, json=body | {"stop_token_ids": list(range(129))})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stop_token_ids", r.text

@@ -11,9 +11,9 @@ from gateway.schemas.openai import ChatCompletionRequest, SamplingFields
 from policies import Decision
 
 # Engine parameters no request field names (the gateway leaves them at their defaults).
-ENGINE_ONLY = {"stop_token_ids", "skip_special_tokens"}
+ENGINE_ONLY: set[str] = set()
 SENT = dict(n=3, temperature=0.5, top_p=0.8, top_k=7, min_p=0.05, ignore_eos=True, min_tokens=2,
-            presence_penalty=0.3, frequency_penalty=0.4, repetition_penalty=1.2)
+            presence_penalty=0.3, frequency_penalty=0.4, repetition_penalty=1.2, skip_special_tokens=False)
 
 
 def test_every_engine_parameter_is_sent_decided_or_the_engines_own():
