@@ -47,8 +47,9 @@ EVENT_FIELDS: dict[str, frozenset[str]] = {
     AUTH_SUCCEEDED: frozenset({"kind", "method", "path", "scopes"}),
     AUTH_FAILED: frozenset({"kind", "method", "path", "reason", "peer", "num_failures"}),
     # features: the names of the structured-output and tool features used, never a schema or arguments.
+    # metadata, user, service_tier, client_request_id: what the caller said of the request, as sent.
     REQUEST_ADMITTED: frozenset({*_REQUEST_COMMON, "max_tokens", "priority", "num_reserved_tokens",
-                                 "features"}),
+                                 "features", "metadata", "user", "service_tier", "client_request_id"}),
     REQUEST_REJECTED: frozenset({*_REQUEST_COMMON, "reason", "code", "status", "violations", "status_code"}),
     REQUEST_FINISHED: frozenset({
         *_REQUEST_COMMON, "num_completion_tokens", "num_cached_tokens", "latency_ms", "ttft_ms",

@@ -194,6 +194,23 @@ async def _decide(
     return prompt_ids, decision
 
 
+def described_fields(req: ChatCompletionRequest | CompletionRequest, policy: Policy) -> dict[str, Any]:
+    """What the request says of itself (OpenAI's ``metadata``, ``user``, ``service_tier``; vLLM's
+    ``request_id``), for its ``request.admitted`` event; none of it changes a token.
+
+    Raises:
+        InvalidRequest: ``store: true`` where the tenant's policy keeps no prompts and completions (400
+            ``store_unavailable``): accepting it would promise a record that is never made.
+    """
+    if getattr(req, "store", None) and policy.prompt_retention_days == 0:
+        raise InvalidRequest("store: true asks for the completion to be kept, and this tenant's policy "
+                             "keeps none (its prompt_retention_days is 0).", code="store_unavailable",
+                             param="store")
+    fields = {"metadata": getattr(req, "metadata", None), "user": req.user,
+              "service_tier": getattr(req, "service_tier", None), "client_request_id": req.request_id}
+    return {k: v for k, v in fields.items() if v is not None}
+
+
 def _admitted_fields(
     request_id: str, principal: Principal, model: str, num_prompt: int, decision: Decision
 ) -> dict[str, Any]:
@@ -285,6 +302,7 @@ async def admit(
         register_sensitive(*retention.prompt_texts(req))
         target = find_target(rt.routes, rt.engine.model_name, req.model)
         check_cache_fields(req, policy, target)
+        described = described_fields(req, policy)
         found = constraint(req, policy, principal.tenant_id or "")  # the policy's feature checks: cheap
         if target is None:  # an upstream pool has no place to give: its servers queue or answer 503
             # After the tenant's own limits (over them, the answer is its 429); taken once reserved.
@@ -295,6 +313,7 @@ async def admit(
         tokenizer = rt.engine.tokenizer if target is None else target.tokenizer
         params = sampling_params(req, decision, len(tokenizer), found.structured)
         fields = _admitted_fields(request_id, principal, req.model, len(prompt_ids), decision)
+        fields |= described
         if found.features:
             fields["features"] = list(found.features)
         fields["prompt_hash"] = prompt_hash = rt.prompt_hash(prompt_ids)

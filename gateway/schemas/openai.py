@@ -84,6 +84,8 @@ class SamplingFields(_Strict):
             at most 128, each in the vocabulary.
         skip_special_tokens: Leave special tokens out of the text (``true``, the default); ``false`` writes
             them as the tokenizer spells them.
+        request_id: The caller's own id for the request (as vLLM takes it), recorded in its audit events;
+            the response's ``id`` stays the gateway's, unique across tenants.
         determinism: ``fast``, ``fixed`` or ``batch_invariant``, checked against the tenant's policy.
         repetition_penalty: In (0, 2]; 1 disables. Divides the logit of every token already in the prompt
             or the output where positive, multiplies it where negative.
@@ -117,6 +119,8 @@ class SamplingFields(_Strict):
     guided_regex: str | None = Field(default=None, min_length=1, max_length=16_384)  # extension
     guided_choice: Annotated[list[_Choice], Field(min_length=1, max_length=1024)] | None = None  # extension
     guided_grammar: str | None = Field(default=None, min_length=1, max_length=65_536)  # extension
+    request_id: str | None = Field(default=None, min_length=1, max_length=128,  # extension
+                                   pattern=r"^[A-Za-z0-9._:-]+$")
     # Extension, as vLLM's: accepted only from keys whose policy has ``trust_cache_salt`` (a front kvgate).
     cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
 
@@ -151,7 +155,21 @@ class SamplingFields(_Strict):
         return self.stream_options is not None and self.stream_options.include_usage
 
 
+_MetadataKey = Annotated[str, Field(min_length=1, max_length=64)]
+_MetadataValue = Annotated[str, Field(max_length=512)]
+
+
 class ChatCompletionRequest(SamplingFields):
+    """A chat completion. Beyond the shared fields, OpenAI's that describe the request:
+
+    Attributes:
+        metadata: Up to 16 string pairs (keys up to 64 characters, values up to 512), recorded in the
+            request's audit events.
+        store: ``false``, or ``true`` where the tenant's policy retains prompts and completions
+            (``prompt_retention_days``); ``true`` elsewhere is a 400, since nothing would be stored.
+        service_tier: Accepted and recorded; every request is served in the one tier there is.
+    """
+
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=4096)]
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
@@ -161,6 +179,9 @@ class ChatCompletionRequest(SamplingFields):
     tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    metadata: Annotated[dict[_MetadataKey, _MetadataValue], Field(max_length=16)] | None = None
+    store: bool | None = None
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
 
     @field_validator("tool_choice", mode="wrap")
     @classmethod

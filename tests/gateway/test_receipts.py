@@ -9,7 +9,7 @@ import re
 import orjson
 from sqlalchemy import select
 
-from audit.events import EVENT_FIELDS, RECEIPT_FIELDS, REQUEST_FINISHED, make_event
+from audit.events import EVENT_FIELDS, RECEIPT_FIELDS, REQUEST_ADMITTED, REQUEST_FINISHED, make_event
 from audit.redact import Redactor
 from audit.tables import audit_events
 from engine import SamplingParams
@@ -157,3 +157,29 @@ def test_a_version_1_receipt_replays_with_the_parameters_it_always_had() -> None
         n=1, max_tokens=8, temperature=0.7, top_p=0.9, top_k=5, seed=12345, stop=["END"],
         determinism="batch_invariant",
     )
+
+
+async def test_what_a_request_says_of_itself_is_accepted_and_audited(gw: Gateway) -> None:
+    """OpenAI's metadata, user, service_tier and store: false, and vLLM's request_id, describe a request
+    and change no token: accepted, and recorded as sent in its request.admitted event. store: true is a
+    400 unless the tenant's policy keeps prompts and completions (nothing would be stored)."""
+    from policies import Policy
+
+    h = await tenant_headers(gw)
+    body = {"model": gw.runtime.engine.model_name, "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 2, "metadata": {"team": "search", "run": "7"}, "user": "u-42",
+            "service_tier": "auto", "store": False, "request_id": "client-req.1"}
+    r = await gw.client.post("/v1/chat/completions", headers=h, json=body)
+    assert r.status_code == 200, r.text
+    event = [e for e in await _events(gw, REQUEST_ADMITTED) if e.get("client_request_id") == "client-req.1"]
+    assert event and event[0]["metadata"] == {"team": "search", "run": "7"} and event[0]["user"] == "u-42"
+    assert event[0]["service_tier"] == "auto" and not r.json()["id"].endswith("client-req.1")
+    r = await gw.client.post("/v1/chat/completions", headers=h, json=body | {"store": True})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "store_unavailable", r.text
+    kept = await tenant_headers(gw, Policy(prompt_retention_days=1))
+    r = await gw.client.post("/v1/chat/completions", headers=kept, json=body | {"store": True})
+    assert r.is_success, r.text
+    for bad in ({"metadata": {f"k{i}": "v" for i in range(17)}}, {"metadata": {"k": "v" * 513}},
+                {"request_id": "has space"}, {"service_tier": "gold"}):
+        r = await gw.client.post("/v1/chat/completions", headers=h, json=body | bad)
+        assert r.status_code == 400 and r.json()["error"]["param"].startswith(next(iter(bad))), r.text
