@@ -105,7 +105,8 @@ class RequestState:
                 best, seq.stop_reason = idx, stop
         if best == -1:
             return False
-        sample.text = sample.text[:best]
+        kept = len(seq.stop_reason) if self.params.include_stop_str_in_output else 0
+        sample.text = sample.text[:best + kept]
         return True
 
     def make_delta(self) -> RequestDelta:

@@ -49,6 +49,7 @@ class SamplingParams:
             token that would have is kept in ``token_ids``, as with ``ignore_eos``).
         logprobs: Return the top-N log-probabilities per generated token (0 = only the chosen one).
         skip_special_tokens: Leave special tokens out of ``text``.
+        include_stop_str_in_output: A ``stop`` string that ends the text stays in it (at its end).
         determinism: ``fast``, ``fixed`` or ``batch_invariant``; ``None`` takes the engine's default.
         presence_penalty: In [-2, 2]: subtracted from the logit of every token already generated.
         frequency_penalty: In [-2, 2]: times its count, subtracted from the logit of each generated token.
@@ -72,6 +73,7 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
     determinism: str | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0

@@ -84,6 +84,8 @@ class SamplingFields(_Strict):
             at most 128, each in the vocabulary.
         skip_special_tokens: Leave special tokens out of the text (``true``, the default); ``false`` writes
             them as the tokenizer spells them.
+        include_stop_str_in_output: End the text after the ``stop`` string that ended it, instead of
+            before it.
         request_id: The caller's own id for the request (as vLLM takes it), recorded in its audit events;
             the response's ``id`` stays the gateway's, unique across tenants.
         determinism: ``fast``, ``fixed`` or ``batch_invariant``, checked against the tenant's policy.
@@ -114,6 +116,7 @@ class SamplingFields(_Strict):
     stop_token_ids: Annotated[list[Annotated[int, Field(ge=0, le=2**31 - 1)]],  # extension
                               Field(max_length=MAX_STOP_TOKEN_IDS)] = Field(default_factory=list)
     skip_special_tokens: bool = True  # extension
+    include_stop_str_in_output: bool = False  # extension
     determinism: Determinism | None = None  # extension; validated against the tenant's policy
     guided_json: dict[str, Any] | str | None = None  # extension
     guided_regex: str | None = Field(default=None, min_length=1, max_length=16_384)  # extension

@@ -55,14 +55,16 @@ def _streamed(engine, params: SamplingParams) -> dict[int, Stream]:
     return streams
 
 
-def _expected(ref: Stream, stops: list[str]) -> tuple[str, list[int], str]:
+def _expected(ref: Stream, stops: list[str], keep: bool = False) -> tuple[str, list[int], str]:
     """The reference sample (one delta per token, no stop strings) cut as the engine cuts it: after the
-    first token whose text completes a stop string, at the earliest stop string then in the text."""
+    first token whose text completes a stop string, at the earliest stop string then in the text (after
+    it, with ``keep``: ``include_stop_str_in_output``)."""
     text = ref.text
     for num_tokens, end in enumerate(accumulate(len(t) for t in ref.texts), start=1):
-        found = [text[:end].find(s) for s in stops if s in text[:end]]
+        found = [(text[:end].find(s), s) for s in stops if s in text[:end]]
         if found:
-            return text[:min(found)], ref.token_ids[:num_tokens], "stop"
+            at, stop = min(found, key=lambda f: f[0])
+            return text[:at + (len(stop) if keep else 0)], ref.token_ids[:num_tokens], "stop"
     return text, ref.token_ids, "length"
 
 
@@ -98,3 +100,14 @@ def test_streamed_deltas_are_the_unstopped_run_cut_at_the_stop_string(engine):
             expected = _expected(ref[index], stops)
             assert (s.text, s.token_ids, s.finish_reason) == expected, (name, stops, index, s.texts)
             assert s.logprob_ids == s.token_ids
+
+
+def test_a_stop_string_kept_in_the_output_ends_the_text_after_it(engine):
+    """vLLM's ``include_stop_str_in_output``: the same tokens, the text cut after the stop string."""
+    ref = _streamed(engine, SAMPLED)
+    for name, stops in _stops(ref[0].texts).items():
+        streams = _streamed(engine, replace(SAMPLED, stop=stops, include_stop_str_in_output=True))
+        for index, s in streams.items():
+            expected = _expected(ref[index], stops, keep=True)
+            assert (s.text, s.token_ids, s.finish_reason) == expected, (name, stops, index, s.texts)
+            assert any(s.text.endswith(stop) for stop in stops) or s.finish_reason == "length"
