@@ -22,6 +22,7 @@ from gateway.controllers.audit import AuditController
 from gateway.controllers.health import healthz, metrics, readyz
 from gateway.controllers.models_admin import ModelsAdminController, model_route_history
 from gateway.controllers.openai import OpenAIController
+from gateway.controllers.tokens import TokenizeController
 from gateway.deps import provide_principal, provide_runtime, provide_session
 from gateway.errors import exception_handlers
 from gateway.openapi import admin_openapi, complete_openapi
@@ -51,8 +52,8 @@ class GatewayPlugin(InitPluginProtocol):
 
     def _configure_routes(self, cfg: AppConfig) -> None:
         cfg.route_handlers.extend(
-            [OpenAIController, AdminController, ModelsAdminController, AuditController, healthz, readyz,
-             metrics, model_route_history, admin_openapi, console_router()]
+            [OpenAIController, TokenizeController, AdminController, ModelsAdminController, AuditController,
+             healthz, readyz, metrics, model_route_history, admin_openapi, console_router()]
         )
 
     def _configure_dependencies(self, cfg: AppConfig) -> None:

@@ -154,7 +154,7 @@ def _max_prompt_tokens(policy: Policy, max_model_len: int) -> int:
     return min(n for n in limits if n is not None)
 
 
-async def _prompt_ids(
+async def prompt_token_ids(
     rt: Runtime, principal: Principal, policy: Policy, req: ChatCompletionRequest | CompletionRequest,
     model: ServedModel, segments: SegmentCache,
 ) -> list[int]:
@@ -175,7 +175,7 @@ async def _decide(
 ) -> tuple[list[int], Decision]:
     model: ServedModel = rt.engine if target is None else target
     segments = rt.segments if target is None else target.segments
-    prompt_ids = await _prompt_ids(rt, principal, policy, req, model, segments)
+    prompt_ids = await prompt_token_ids(rt, principal, policy, req, model, segments)
     ctx = RequestContext(
         model=req.model,
         num_prompt_tokens=len(prompt_ids),

@@ -49,7 +49,8 @@ class Target:
     session: requests.Session
 
     def headers(self, path: str) -> dict[str, str]:
-        token = self.key if path.startswith("/v1/") else self.served.admin_token
+        is_tenants = path.startswith("/v1/") or path in ("/tokenize", "/detokenize")
+        token = self.key if is_tenants else self.served.admin_token
         return {"Authorization": f"Bearer {token}"}
 
     def call(self, case: Any) -> Any:
