@@ -179,6 +179,8 @@ class CallParser:
         return [Piece(content=text)]
 
     def _emit(self, call: Call) -> list[Piece]:
+        if self.num_calls and not self.mode.parallel:
+            return []  # ``parallel_tool_calls: false``: the first call is the reply's only one
         index, self.num_calls = self.num_calls, self.num_calls + 1
         return [Piece(index=index, call=Call(call.name, "", call.id)),
                 Piece(index=index, arguments=call.arguments)]

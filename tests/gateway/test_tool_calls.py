@@ -70,6 +70,16 @@ def test_an_unclosed_last_block_that_parses_is_a_call():
     assert content is None and [c.name for c in calls] == ["get_time"]
 
 
+def test_parallel_tool_calls_false_keeps_the_first_call_alone():
+    """In ``auto`` the model may write several blocks whatever the prompt says; with
+    ``parallel_tool_calls: false`` the reply carries its first call only, whole and streamed."""
+    single = ToolMode("auto", NAMES, parallel=False)
+    content, calls = parse_reply(REPLY, single)
+    assert content == "Let me look." and [c.name for c in calls] == ["get_weather"]
+    assert [n for _, n, _ in _stream(REPLY, single, [5, 30, 90])[1]] == ["get_weather"]
+    assert [c.name for c in parse_reply(REPLY, AUTO)[1]] == ["get_weather", "get_time"]
+
+
 def test_forced_replies():
     named = ToolMode("named", NAMES, "get_weather", parallel=False)
     content, [call] = parse_reply('{"city": "Oslo"}', named)
