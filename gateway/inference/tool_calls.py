@@ -14,6 +14,7 @@ import string
 from dataclasses import dataclass, field
 from typing import Any
 
+import jsonschema_rs
 import orjson
 
 from gateway.inference.tools import CALL_CLOSE, CALL_OPEN, ToolMode
@@ -47,8 +48,8 @@ class Piece:
     arguments: str | None = None
 
 
-def _as_call(value: Any, names: frozenset[str]) -> Call | None:
-    if not isinstance(value, dict) or value.get("name") not in names:
+def _as_call(value: Any, mode: ToolMode) -> Call | None:
+    if not isinstance(value, dict) or value.get("name") not in mode.names:
         return None
     args = value.get("arguments", value.get("parameters", {}))
     if isinstance(args, str):
@@ -58,12 +59,27 @@ def _as_call(value: Any, names: frozenset[str]) -> Call | None:
             return None
     if not isinstance(args, dict):
         return None
+    schema = mode.strict.get(value["name"])
+    if schema is not None and not _matches(schema, args):
+        return None
     return Call(value["name"], orjson.dumps(args).decode())
 
 
-def _parse_block(text: str, names: frozenset[str]) -> Call | None:
+# A strict tool's schema is checked without retrieving anything it names (its metaschema check at
+# admission refuses what it cannot resolve).
+_OFFLINE = jsonschema_rs.Registry([])
+
+
+def _matches(schema: dict[str, Any], args: dict[str, Any]) -> bool:
     try:
-        return _as_call(orjson.loads(text.strip()), names)
+        return jsonschema_rs.validator_for(schema, registry=_OFFLINE).is_valid(args)
+    except (jsonschema_rs.ValidationError, jsonschema_rs.ReferencingError, ValueError):
+        return False
+
+
+def _parse_block(text: str, mode: ToolMode) -> Call | None:
+    try:
+        return _as_call(orjson.loads(text.strip()), mode)
     except orjson.JSONDecodeError:
         return None
 
@@ -83,7 +99,7 @@ def _forced_calls(text: str, mode: ToolMode) -> list[Call] | None:
         value = _complete_items(text)
         if not value:
             return None
-    calls = [_as_call(v, mode.names) for v in (value if isinstance(value, list) else [value])]
+    calls = [_as_call(v, mode) for v in (value if isinstance(value, list) else [value])]
     return None if not calls or None in calls else calls  # type: ignore[return-value]
 
 
@@ -139,7 +155,7 @@ class CallParser:
             calls = _forced_calls(buf, self.mode)
             return [Piece(content=buf)] if calls is None else [p for c in calls for p in self._emit(c)]
         if self._in_call:
-            call = _parse_block(buf, self.mode.names)
+            call = _parse_block(buf, self.mode)
             return self._emit(call) if call is not None else [Piece(content=CALL_OPEN + buf)]
         return self._content(buf)
 
@@ -169,7 +185,7 @@ class CallParser:
             if at < 0:
                 return pieces
             block, self._buf, self._in_call = self._buf[:at], self._buf[at + len(CALL_CLOSE):], False
-            call = _parse_block(block, self.mode.names)
+            call = _parse_block(block, self.mode)
             pieces += self._emit(call) if call is not None else self._content(CALL_OPEN + block + CALL_CLOSE)
 
     def _content(self, text: str) -> list[Piece]:

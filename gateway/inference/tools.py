@@ -8,7 +8,8 @@ calls written back as such blocks, and tool results as user turns in ``<tool_res
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import orjson
@@ -41,12 +42,15 @@ class ToolMode:
         names: The functions the request declares.
         name: The named function (``named`` only).
         parallel: More than one call may be made.
+        strict: The ``parameters`` of each function declared ``strict`` by name: in ``auto``, where no
+            grammar holds the arguments, a call of one whose arguments do not match them is no call.
     """
 
     kind: Literal["auto", "named", "required"]
     names: frozenset[str]
     name: str | None = None
     parallel: bool = True
+    strict: Mapping[str, dict[str, Any]] = field(default_factory=dict, hash=False, compare=False)
 
     @property
     def is_forced(self) -> bool:
@@ -77,7 +81,9 @@ def tool_mode(req: ChatCompletionRequest) -> ToolMode | None:
             raise InvalidRequest(f"tool_choice names '{choice.function.name}', which is not among tools.",
                                  param="tool_choice.function.name")
         return ToolMode("named", frozenset(names), choice.function.name, parallel=False)
-    return ToolMode("required" if choice == "required" else "auto", frozenset(names), parallel=parallel)
+    strict = {t.function.name: parameters(t) for t in tools if t.function.strict}
+    return ToolMode("required" if choice == "required" else "auto", frozenset(names), parallel=parallel,
+                    strict=strict)
 
 
 def parameters(tool: Tool) -> dict[str, Any]:

@@ -80,6 +80,24 @@ def test_parallel_tool_calls_false_keeps_the_first_call_alone():
     assert [c.name for c in parse_reply(REPLY, AUTO)[1]] == ["get_weather", "get_time"]
 
 
+def test_a_strict_tools_call_whose_arguments_miss_its_schema_is_no_call_in_auto():
+    """``strict: true`` promises arguments that match the tool's schema; in ``auto`` no grammar holds them,
+    so a block whose arguments do not match stays text, as a block of bad JSON does; a tool that is not
+    strict takes any object."""
+    city = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+            "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": city, "strict": True}},
+             {"type": "function", "function": {"name": "get_time", "parameters": city}}]
+    mode = tool_mode(_req(tools=tools))
+    good = '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'
+    bad = '<tool_call>{"name": "get_weather", "arguments": {"town": "Oslo"}}</tool_call>'
+    loose = '<tool_call>{"name": "get_time", "arguments": {"town": "Oslo"}}</tool_call>'
+    assert [c.name for c in parse_reply(good, mode)[1]] == ["get_weather"]
+    assert parse_reply(bad, mode) == (bad, [])
+    assert [n for _, n, _ in _stream(bad + good, mode, [20, 70])[1]] == ["get_weather"]
+    assert [c.name for c in parse_reply(loose, mode)[1]] == ["get_time"]
+
+
 def test_forced_replies():
     named = ToolMode("named", NAMES, "get_weather", parallel=False)
     content, [call] = parse_reply('{"city": "Oslo"}', named)
