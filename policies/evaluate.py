@@ -20,6 +20,7 @@ class RequestContext:
         max_model_len: The served model's context length.
         determinism: Requested determinism mode, or ``None`` for the policy's.
         is_seeded: The request sends a ``seed``.
+        priority: The priority the request asks for (vLLM's ``priority``: lower runs first), or ``None``.
         served_modes: The determinism modes the model's server serves; ``None``: every mode.
     """
 
@@ -30,6 +31,7 @@ class RequestContext:
     max_model_len: int
     determinism: str | None = None
     is_seeded: bool = False
+    priority: int | None = None
     served_modes: tuple[str, ...] | None = None
 
 
@@ -111,7 +113,8 @@ def evaluate(policy: Policy, ctx: RequestContext) -> Decision:
         violation=None,
         max_tokens=max_tokens,
         num_reserved_tokens=ctx.num_prompt_tokens + ctx.n * max_tokens,
-        priority=policy.priority,
+        # A request may run after its tenant's others, never ahead of what its policy gives it.
+        priority=policy.priority if ctx.priority is None else max(policy.priority, ctx.priority),
         cache_scope=policy.prefix_cache_scope,
         determinism=_determinism(policy, ctx),  # type: ignore[arg-type]
     )

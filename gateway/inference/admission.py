@@ -184,6 +184,7 @@ async def _decide(
         max_model_len=model.max_model_len,
         determinism=req.determinism,
         is_seeded=req.seed is not None,
+        priority=req.priority,
         served_modes=tuple(model.modes),
     )
     decision = evaluate(policy, ctx)

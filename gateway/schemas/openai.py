@@ -88,6 +88,8 @@ class SamplingFields(_Strict):
             before it.
         request_id: The caller's own id for the request (as vLLM takes it), recorded in its audit events;
             the response's ``id`` stays the gateway's, unique across tenants.
+        priority: As vLLM's (lower runs first), among the tenant's own requests: a request may ask to run
+            after them (above its policy's ``priority``), never ahead (below it counts as the policy's).
         determinism: ``fast``, ``fixed`` or ``batch_invariant``, checked against the tenant's policy.
         repetition_penalty: In (0, 2]; 1 disables. Divides the logit of every token already in the prompt
             or the output where positive, multiplies it where negative.
@@ -122,6 +124,7 @@ class SamplingFields(_Strict):
     guided_regex: str | None = Field(default=None, min_length=1, max_length=16_384)  # extension
     guided_choice: Annotated[list[_Choice], Field(min_length=1, max_length=1024)] | None = None  # extension
     guided_grammar: str | None = Field(default=None, min_length=1, max_length=65_536)  # extension
+    priority: int | None = Field(default=None, ge=-1000, le=1000)  # extension, within the tenant's policy
     request_id: str | None = Field(default=None, min_length=1, max_length=128,  # extension
                                    pattern=r"^[A-Za-z0-9._:-]+$")
     # Extension, as vLLM's: accepted only from keys whose policy has ``trust_cache_salt`` (a front kvgate).

@@ -15,9 +15,11 @@ from policies import Policy
 
 _PATHS = {"chat": "/v1/chat/completions", "text": "/v1/completions"}
 # What the gateway decides itself, never the client: the model, the length it reserved for, streaming
-# (always, so usage comes back), the cache scope.
+# (always, so usage comes back), the cache scope; and what would act across tenants at the pool: a
+# priority (it orders every tenant's requests there) and a request id (vLLM's own: one tenant's could
+# collide with another's).
 _OWN_FIELDS = {"model", "stream", "stream_options", "max_tokens", "max_completion_tokens", "determinism",
-               "cache_salt"}
+               "cache_salt", "priority", "request_id"}
 SALT_LABEL = b"upstream cache salt v1"  # ``Hasher.derive(SALT_LABEL)``: the salts' key
 
 

@@ -164,3 +164,20 @@ async def test_a_pool_with_no_replica_up_is_a_503_charged_nothing_and_shows_in_m
     metrics = (await c.get("/metrics", headers=h)).text
     assert 'kvgate_upstream_healthy{model="down",replica="http://127.0.0.1:9"} 0.0' in metrics
     assert 'kvgate_upstream_outstanding_requests{model="down",replica="http://127.0.0.1:7"} 0.0' in metrics
+
+
+async def test_the_gateways_own_fields_never_reach_an_upstream_as_the_client_sent_them(agw, tiny_model_dir):
+    """A priority would order every tenant's requests at the pool and a request id could collide with
+    another tenant's there: like the model and the length, the gateway's, not the client's. What only
+    describes the request goes as sent."""
+    from gateway.schemas.openai import ChatCompletionRequest
+    from gateway.upstream.call import prepare
+
+    route = {"route": _route(tiny_model_dir)}
+    assert (await agw.client.put("/admin/v1/models/up-c", headers=agw.admin(), json=route)).is_success
+    req = ChatCompletionRequest.model_validate({
+        "model": "up-c", "messages": [{"role": "user", "content": "hi"}], "priority": -100,
+        "request_id": "r-1", "metadata": {"team": "a"}, "determinism": "fast", "max_tokens": 99})
+    body = prepare(agw.runtime.routes.get("up-c"), req, "chat", 8, b"ns", [1, 2], b"k" * 32, False).body
+    assert "priority" not in body and "request_id" not in body and "determinism" not in body
+    assert body["metadata"] == {"team": "a"} and body["max_tokens"] == 8 and body["model"] != ""

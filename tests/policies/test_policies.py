@@ -98,3 +98,10 @@ def test_admitted_requests_always_fit_the_context(prompt, max_tokens, n, limit):
     if d.is_allowed:
         assert prompt + d.max_tokens <= min(limit or 100, 100)
         assert d.max_tokens >= 1 and d.num_reserved_tokens == prompt + n * d.max_tokens
+
+
+def test_a_request_may_lower_its_own_priority_never_raise_it_above_its_policys():
+    policy = Policy(priority=10)
+    assert evaluate(policy, ctx()).priority == 10
+    assert evaluate(policy, ctx(priority=50)).priority == 50  # after the tenant's other requests
+    assert evaluate(policy, ctx(priority=-50)).priority == 10  # not ahead of what the policy gives
