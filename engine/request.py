@@ -13,6 +13,7 @@ from engine.outputs import TokenLogprobs
 from engine.structured import StructuredOutput
 
 MAX_LOGIT_BIAS = 300  # entries, as OpenAI allows
+MAX_ALLOWED_TOKEN_IDS = 4096  # each step scatters them into the request's row
 
 
 def _check(cond: bool, msg: str) -> None:
@@ -50,6 +51,8 @@ class SamplingParams:
         logprobs: Return the top-N log-probabilities per generated token (0 = only the chosen one).
         skip_special_tokens: Leave special tokens out of ``text``.
         include_stop_str_in_output: A ``stop`` string that ends the text stays in it (at its end).
+        allowed_token_ids: Sample only among these token ids (1 to ``MAX_ALLOWED_TOKEN_IDS``; ids past
+            the model's vocabulary are refused when the request is added).
         determinism: ``fast``, ``fixed`` or ``batch_invariant``; ``None`` takes the engine's default.
         presence_penalty: In [-2, 2]: subtracted from the logit of every token already generated.
         frequency_penalty: In [-2, 2]: times its count, subtracted from the logit of each generated token.
@@ -74,6 +77,7 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    allowed_token_ids: list[int] | None = None
     determinism: str | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -109,6 +113,12 @@ class SamplingParams:
                                                                        for t in self.stop_token_ids),
                "stop_token_ids must be a list of non-negative integers")
         self.stop_token_ids = list(self.stop_token_ids)
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            _check(isinstance(ids, (list, tuple)) and 0 < len(ids) <= MAX_ALLOWED_TOKEN_IDS
+                   and all(_is_int(t) and t >= 0 for t in ids),
+                   f"allowed_token_ids must be 1 to {MAX_ALLOWED_TOKEN_IDS} non-negative integers")
+            self.allowed_token_ids = list(ids)
         _check(self.determinism is None or self.determinism in _MODES,
                f"determinism must be one of {_MODES}, got {self.determinism!r}")
         self._check_penalties()

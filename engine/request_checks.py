@@ -24,6 +24,10 @@ def check_add_args(params: SamplingParams, share: TenantShare | None, cache_name
         raise InvalidRequestError("cache_namespace must not start with the reserved prefix")
     if params.logit_bias and max(params.logit_bias) >= vocab_size:
         raise InvalidRequestError(f"logit_bias token ids must be below the vocabulary size {vocab_size}")
+    if params.allowed_token_ids and max(params.allowed_token_ids) >= vocab_size:
+        raise InvalidRequestError(f"allowed_token_ids must be below the vocabulary size {vocab_size}")
+    if params.allowed_token_ids and params.structured is not None:
+        raise InvalidRequestError("allowed_token_ids cannot be combined with a structured output")
 
 
 def tokenize_prompt(tokenizer, prompt: str | Seq[int], vocab_size: int) -> list[int]:

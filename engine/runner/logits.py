@@ -1,5 +1,6 @@
 """Logit processing before sampling: logit_bias, then the repetition, frequency and presence penalties,
-then structured outputs' grammar masks, each batched over the rows that use it (the rest untouched).
+then ``allowed_token_ids`` and structured outputs' grammar masks, each over the rows that use it (the
+rest untouched).
 
 Every operation is elementwise within a row, so a row's processed logits are the same bits whatever
 other rows share the step (the ``batch_invariant`` contract), and greedy argmax, seeded draws and
@@ -125,6 +126,18 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
     logits[rows, tokens] = x
 
 
+def apply_allowed(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    """In place: every token outside a row's ``allowed_token_ids`` masked out (a row costs its vocabulary
+    once and its ids, at most ``MAX_ALLOWED_TOKEN_IDS``)."""
+    for i, seq in enumerate(seqs):
+        ids = seq.params.allowed_token_ids
+        if ids:
+            index = torch.tensor(ids, dtype=torch.long, device=logits.device)
+            kept = logits[i, index]
+            logits[i].fill_(float("-inf"))
+            logits[i, index] = kept
+
+
 def apply_grammars(logits: torch.Tensor, seqs: list[Sequence]) -> None:
     """Mask, in place, the tokens each constrained row's grammar does not allow next (the masks were
     computed before the step: ``engine.grammar.masks``)."""
@@ -136,6 +149,8 @@ def apply_grammars(logits: torch.Tensor, seqs: list[Sequence]) -> None:
 
 
 def process_logits(logits: torch.Tensor, seqs: list[Sequence]) -> None:
-    """Penalties and logit_bias, then grammar masks, in place (rows that use none stay as they are)."""
+    """Penalties and logit_bias, then allowed tokens and grammar masks, in place (rows that use none stay
+    as they are)."""
     apply_penalties(logits, seqs)
+    apply_allowed(logits, seqs)
     apply_grammars(logits, seqs)

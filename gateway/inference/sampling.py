@@ -15,7 +15,7 @@ from policies import Decision
 # ``SamplingParams`` field that the request has (by name) reaches the engine as sent. So a new plain
 # field (``min_p``) is a request field and a ``SamplingParams`` field, and nothing here.
 DECIDED = frozenset({"max_tokens", "seed", "stop", "logprobs", "determinism", "logit_bias", "structured",
-                     "stop_token_ids"})
+                     "stop_token_ids", "allowed_token_ids"})
 AS_SENT = tuple(f.name for f in dataclasses.fields(SamplingParams)
                 if f.name in SamplingFields.model_fields and f.name not in DECIDED)
 
@@ -43,15 +43,22 @@ def _logit_bias(req: ChatCompletionRequest | CompletionRequest, vocab_size: int)
     return bias
 
 
-def _stop_token_ids(req: ChatCompletionRequest | CompletionRequest, vocab_size: int) -> list[int]:
-    outside = [t for t in req.stop_token_ids if t >= vocab_size]
+def _in_vocabulary(ids: list[int], vocab_size: int, param: str) -> list[int]:
+    outside = [t for t in ids if t >= vocab_size]
     if outside:
-        raise InvalidRequest(
-            f"stop_token_ids names token {outside[0]}, outside the vocabulary ({vocab_size} tokens).",
-            code="invalid_value",
-            param="stop_token_ids",
-        )
-    return list(req.stop_token_ids)
+        raise InvalidRequest(f"{param} names token {outside[0]}, outside the vocabulary ({vocab_size} "
+                             "tokens).", code="invalid_value", param=param)
+    return list(ids)
+
+
+def _allowed_token_ids(req: ChatCompletionRequest | CompletionRequest, vocab_size: int,
+                       structured: StructuredOutput | None) -> list[int] | None:
+    if req.allowed_token_ids is None:
+        return None
+    if structured is not None:  # its grammar picks the tokens: the two could leave none
+        raise InvalidRequest("allowed_token_ids cannot be combined with a structured output or a forced "
+                             "tool call.", code="invalid_value", param="allowed_token_ids")
+    return _in_vocabulary(req.allowed_token_ids, vocab_size, "allowed_token_ids")
 
 
 def sampling_params(
@@ -64,8 +71,9 @@ def sampling_params(
     text must match (``gateway.inference.structured``).
 
     Raises:
-        InvalidRequest: ``min_tokens`` over ``max_tokens``, a ``logit_bias`` or ``stop_token_ids`` token
-            outside the ``vocab_size`` tokens, or parameters the engine refuses (400).
+        InvalidRequest: ``min_tokens`` over ``max_tokens``, a ``logit_bias``, ``stop_token_ids`` or
+            ``allowed_token_ids`` token outside the ``vocab_size`` tokens, ``allowed_token_ids`` with
+            ``structured``, or parameters the engine refuses (400).
     """
     if req.min_tokens > decision.max_tokens:
         limit = "max_tokens" if req.requested_max_tokens is not None else "the room the prompt leaves"
@@ -83,7 +91,8 @@ def sampling_params(
             logprobs=req.num_logprobs,
             determinism=decision.determinism,
             logit_bias=_logit_bias(req, vocab_size),
-            stop_token_ids=_stop_token_ids(req, vocab_size),
+            stop_token_ids=_in_vocabulary(req.stop_token_ids, vocab_size, "stop_token_ids"),
+            allowed_token_ids=_allowed_token_ids(req, vocab_size, structured),
             structured=structured,
         )
     except InvalidRequestError as e:

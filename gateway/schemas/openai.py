@@ -63,6 +63,7 @@ _TokenIdKey = Annotated[str, Field(pattern=r"^[0-9]{1,10}$")]
 _Bias = Annotated[float, Field(ge=-100.0, le=100.0)]
 MAX_LOGIT_BIAS = 300
 MAX_STOP_TOKEN_IDS = 128  # each generated token is looked up among them
+MAX_ALLOWED_TOKEN_IDS = 4096  # each step of the request scatters them into its row
 # Which completions API a request came by: /v1/chat/completions or /v1/completions.
 RequestKind = Literal["chat", "text"]
 _Choice = Annotated[str, Field(min_length=1, max_length=1024)]
@@ -86,6 +87,8 @@ class SamplingFields(_Strict):
             them as the tokenizer spells them.
         include_stop_str_in_output: End the text after the ``stop`` string that ended it, instead of
             before it.
+        allowed_token_ids: Sample only among these tokens (1 to 4096 ids, each in the vocabulary); not
+            with a structured output or a forced tool call, whose grammar picks the tokens.
         request_id: The caller's own id for the request (as vLLM takes it), recorded in its audit events;
             the response's ``id`` stays the gateway's, unique across tenants.
         priority: As vLLM's (lower runs first), among the tenant's own requests: a request may ask to run
@@ -119,6 +122,8 @@ class SamplingFields(_Strict):
                               Field(max_length=MAX_STOP_TOKEN_IDS)] = Field(default_factory=list)
     skip_special_tokens: bool = True  # extension
     include_stop_str_in_output: bool = False  # extension
+    allowed_token_ids: Annotated[list[Annotated[int, Field(ge=0, le=2**31 - 1)]],  # extension
+                                 Field(min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS)] | None = None
     determinism: Determinism | None = None  # extension; validated against the tenant's policy
     guided_json: dict[str, Any] | str | None = None  # extension
     guided_regex: str | None = Field(default=None, min_length=1, max_length=16_384)  # extension

@@ -327,3 +327,23 @@ def test_the_cut_counts_by_search_what_comparing_every_position_counts():
         num_p = (before < (top_p * mass)[:, None]).sum(dim=-1).clamp(min=1)
         want = torch.where(top_p < 1.0, vals.gather(1, (num_p - 1)[:, None])[:, 0], kth)
         assert torch.equal(_cut(vals, top_k, top_p, trial % 2 == 0)[0], want), trial
+
+
+def test_allowed_token_ids_keep_every_draw_among_them():
+    """vLLM's ``allowed_token_ids``: greedy picks the likeliest allowed token, a sampled row draws only
+    allowed ones (as the masked distribution, the others' logits untouched by the mask)."""
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(4, 1000, generator=gen) * 3.0
+    allowed = [7, 123, 999]
+    seqs = [_seq(SamplingParams(temperature=0.0, allowed_token_ids=allowed), seed=1),
+            _seq(SamplingParams(temperature=1.5, allowed_token_ids=allowed), seed=2),
+            _seq(SamplingParams(temperature=1.0, top_p=0.5, allowed_token_ids=[42]), seed=3),
+            _seq(SamplingParams(temperature=0.0), seed=4)]
+    tokens, _ = sample(logits.clone(), seqs)
+    assert tokens[0] == max(allowed, key=lambda t: logits[0, t])
+    assert tokens[2] == 42 and tokens[3] == int(logits[3].argmax())
+    draws = _decode(logits[1:2], [_seq(SamplingParams(temperature=1.5, allowed_token_ids=allowed), seed=s)
+                                  for s in range(40)], 5)
+    assert {t for row in draws for t in row} <= set(allowed) and len({t for row in draws for t in row}) > 1
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        SamplingParams(allowed_token_ids=[])

@@ -228,3 +228,21 @@ async def test_stop_token_ids_end_the_completion_and_must_be_in_the_vocabulary(g
     assert r.status_code == 400 and r.json()["error"]["param"] == "stop_token_ids", r.text
     r = await gw.client.post("/v1/completions", headers=h, json=body | {"stop_token_ids": list(range(129))})
     assert r.status_code == 400 and r.json()["error"]["param"] == "stop_token_ids", r.text
+
+
+async def test_allowed_token_ids_hold_the_reply_and_are_checked(gw):
+
+
+    h = await tenant_headers(gw)
+    model = gw.runtime.engine.model_name
+    body = {"model": model, "prompt": [5, 6, 7], "max_tokens": 6, "temperature": 1.0, "seed": 3,
+            "ignore_eos": True, "allowed_token_ids": [300, 301], "logprobs": 1}
+    r = await gw.client.post("/v1/completions", headers=h, json=body)
+    assert r.status_code == 200, r.text
+    tokenizer = gw.runtime.engine.tokenizer
+    allowed_text = {tokenizer.decode([300]), tokenizer.decode([301])}
+    assert set(r.json()["choices"][0]["logprobs"]["tokens"]) <= allowed_text
+    for bad in ({"allowed_token_ids": [10**6]}, {"allowed_token_ids": []},
+                {"allowed_token_ids": [1], "guided_regex": "a+"}):
+        r = await gw.client.post("/v1/completions", headers=h, json=body | bad)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "allowed_token_ids", (bad, r.text)
