@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from bench.stream_client import RequestResult, stream_request
-from gateway.schemas.openai import MAX_LOGIT_BIAS
+from gateway.schemas.openai import MAX_ALLOWED_TOKEN_IDS, MAX_LOGIT_BIAS
 from gateway.schemas.openai_tools import MAX_SCHEMA_BYTES
 
 CHAT = "/v1/chat/completions"
@@ -55,6 +55,10 @@ def _stops() -> list[str]:
 # Each attack: the body of the attacker's i-th request (i makes fresh specs where a cache would help).
 ATTACKS: dict[str, Callable[[str, int], dict]] = {
     "n8_top_logprobs20": lambda m, i: _chat(m, n=8, logprobs=True, top_logprobs=20),
+    # 16 seeded rows (batch_invariant where a policy sets seeded_determinism and the server serves it)
+    "n8_seeded": lambda m, i: _chat(m, n=8, seed=i),
+    # 16 rows each masked to the most allowed_token_ids a request may name
+    "n8_allowed_max": lambda m, i: _chat(m, n=8, allowed_token_ids=list(range(MAX_ALLOWED_TOKEN_IDS))),
     # 16 rows whose nucleus is nearly the whole vocabulary: every token ranked, every step
     "n8_top_p_whole_vocab": lambda m, i: _chat(m, n=8, temperature=2.0, top_p=0.99999),
     "logit_bias_max": lambda m, i: _chat(m, logit_bias=_bias(), presence_penalty=2.0, frequency_penalty=2.0,
