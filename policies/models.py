@@ -34,9 +34,10 @@ class Policy(BaseModel):
         prefix_cache_scope: Who may share prefix-cache blocks: the whole tenant, one key, or nobody.
         default_determinism: Mode used when a request names none.
         seeded_determinism: Mode of a request that sends a ``seed`` and names no mode, so that repeating it
-            repeats its output whatever the prefix cache holds and whatever shares its steps (the
-            ``batch_invariant`` default); used where ``allowed_determinism`` has it and the model's server
-            serves it, else ``default_determinism``. ``None``: ``default_determinism`` always.
+            repeats its output whatever the prefix cache holds and whatever shares its steps
+            (``batch_invariant``); used where ``allowed_determinism`` has it and the model's server serves
+            it, else ``default_determinism``. ``None``, the default: ``default_determinism`` always (a
+            ``batch_invariant`` row costs its neighbours more step time than its share counts yet).
         allowed_determinism: Modes a request may ask for.
         prompt_retention_days: Keep each request's prompt and completion, encrypted with the tenant's
             data key, for this many days (readable only with the ``retention:read`` admin scope);
@@ -74,7 +75,7 @@ class Policy(BaseModel):
     max_kv_fraction: float | None = Field(default=None, gt=0, le=1)
     prefix_cache_scope: CacheScope = "tenant"
     default_determinism: Determinism = "fast"
-    seeded_determinism: Determinism | None = "batch_invariant"
+    seeded_determinism: Determinism | None = None
     allowed_determinism: tuple[Determinism, ...] = ALL_DETERMINISM
     prompt_retention_days: int = Field(default=0, ge=0, le=3650)
     allow_structured_outputs: bool = True

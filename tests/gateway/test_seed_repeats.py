@@ -2,7 +2,7 @@
 result. Through ``kvgate serve`` on the default model, as a client would see it: the second of two
 identical seeded requests starts from the first's cached prefix blocks, and in ``fast`` mode its remaining
 prompt rows are computed in a smaller matmul that rounds differently (its tokens parted from the first's
-after one token on 2026-11-28). A seeded request that names no mode runs in the policy's seeded mode,
+after one token on 2026-11-28). A seeded request that names no mode runs in its policy's seeded mode, here
 ``batch_invariant``, whose tokens do not depend on how its steps are cut."""
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import pytest
 
 from .served import Served, serve
 
+REPEATS = {"seeded_determinism": "batch_invariant"}
 MESSAGES = [{"role": "user", "content": "Write about the lighthouse keeper and the long winter sea. " * 6}]
 
 
@@ -36,7 +37,7 @@ def _ask(client: openai.OpenAI, model: str, **fields: object):  # noqa: ANN202
 
 
 def test_a_seeded_request_repeats_its_output_whatever_the_prefix_cache_holds(server):
-    client = _client(server, server.make_key("seeds"))
+    client = _client(server, server.make_key("seeds", REPEATS))
     model = client.models.list().data[0].id
     runs = [_ask(client, model, max_tokens=48, seed=1234) for _ in range(3)]
     texts = [r.choices[0].message.content for r in runs]
@@ -47,14 +48,14 @@ def test_a_seeded_request_repeats_its_output_whatever_the_prefix_cache_holds(ser
 
 
 def test_a_named_mode_or_no_seed_keeps_the_mode_it_had(server):
-    tenant, key = server.make_tenant("modes")
+    tenant, key = server.make_tenant("modes", REPEATS)
     client = _client(server, key)
     model = client.models.list().data[0].id
     seeded = _ask(client, model, max_tokens=2, seed=7).system_fingerprint
     fast = _ask(client, model, max_tokens=2, seed=7, determinism="fast").system_fingerprint
     assert fast != seeded  # named, the mode is the caller's
     assert _ask(client, model, max_tokens=2).system_fingerprint == fast  # no seed: the policy's default
-    with server.admin() as admin:  # a policy may keep seeded requests in its default mode
-        r = admin.put(f"/admin/v1/tenants/{tenant}/policy", json={"policy": {"seeded_determinism": None}})
+    with server.admin() as admin:  # the default policy keeps seeded requests in its default mode
+        r = admin.put(f"/admin/v1/tenants/{tenant}/policy", json={"policy": {}})
         assert r.is_success, r.text
     assert _ask(client, model, max_tokens=2, seed=7).system_fingerprint == fast

@@ -51,16 +51,17 @@ def test_determinism():
 
 def test_a_seeded_request_naming_no_mode_runs_in_the_seeded_mode_where_allowed_and_served():
     seeded = ctx(is_seeded=True, served_modes=("fast", "fixed", "batch_invariant"))
-    assert evaluate(Policy(), seeded).determinism == "batch_invariant"
-    assert evaluate(Policy(), ctx(is_seeded=True)).determinism == "batch_invariant"  # None: every mode
-    assert evaluate(Policy(), ctx()).determinism == "fast"  # no seed: the default
-    assert evaluate(Policy(), ctx(is_seeded=True, determinism="fast")).determinism == "fast"  # named
-    assert evaluate(Policy(seeded_determinism=None), seeded).determinism == "fast"
+    repeats = Policy(seeded_determinism="batch_invariant")
+    assert evaluate(Policy(), seeded).determinism == "fast"  # off unless the policy turns it on
+    assert evaluate(repeats, seeded).determinism == "batch_invariant"
+    assert evaluate(repeats, ctx(is_seeded=True)).determinism == "batch_invariant"  # None: every mode
+    assert evaluate(repeats, ctx()).determinism == "fast"  # no seed: the default
+    assert evaluate(repeats, ctx(is_seeded=True, determinism="fast")).determinism == "fast"  # named
     assert evaluate(Policy(seeded_determinism="fixed"), seeded).determinism == "fixed"
-    fast_only = Policy(allowed_determinism=("fast",))  # not allowed: the default, no refusal
+    fast_only = Policy(seeded_determinism="batch_invariant", allowed_determinism=("fast",))
     assert evaluate(fast_only, seeded).determinism == "fast" and evaluate(fast_only, seeded).is_allowed
     upstream = ctx(is_seeded=True, served_modes=("fast",))  # not served (an upstream pool): the default
-    assert evaluate(Policy(), upstream).determinism == "fast"
+    assert evaluate(repeats, upstream).determinism == "fast"
 
 
 @pytest.mark.parametrize(
