@@ -46,7 +46,8 @@ RECEIPT_FIELDS = frozenset({
 EVENT_FIELDS: dict[str, frozenset[str]] = {
     AUTH_SUCCEEDED: frozenset({"kind", "method", "path", "scopes"}),
     AUTH_FAILED: frozenset({"kind", "method", "path", "reason", "peer", "num_failures"}),
-    # features: the names of the structured-output and tool features used, never a schema or arguments.
+    # features: the names of the structured-output and tool features used and of the chat template fields
+    # set, never a schema, arguments or values.
     # metadata, user, service_tier, client_request_id: what the caller said of the request, as sent.
     REQUEST_ADMITTED: frozenset({*_REQUEST_COMMON, "max_tokens", "priority", "num_reserved_tokens",
                                  "features", "metadata", "user", "service_tier", "client_request_id"}),

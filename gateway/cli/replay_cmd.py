@@ -33,7 +33,8 @@ _HELP = "\n\n".join(
         "a trailing newline included; with --token-ids a JSON array of token ids), --messages-file for "
         '/v1/chat/completions (a JSON list of messages, or a request body with "messages"); the chat '
         "template is applied exactly as the gateway does. A request with a structured output "
-        "(response_format, guided_*) or tools needs its request body as sent, with --request-file (a chat's "
+        "(response_format, guided_*), tools or chat template fields (add_generation_prompt, ...) needs "
+        "its request body as sent, with --request-file (a chat's "
         "--messages-file may be that body): its tools reach the template and its constraint is checked "
         "against the recorded keyed hash. The request runs alone in a local engine built "
         "from the same settings as `kvgate serve` (--model, --dtype, --device, KVGATE_* variables) with the "
@@ -174,6 +175,20 @@ def _read_request(
     except (ValidationError, TypeError) as e:
         detail = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise ReplayError(f"cannot read the request from {request_file or given}: {detail}") from None
+
+
+def _check_template_body(record: _Record, has_body: bool) -> None:
+    """A request that set chat template fields rendered its prompt with them: they are in its body.
+
+    Raises:
+        ReplayError: The record names such fields and no body was given.
+    """
+    from gateway.schemas.chat_template import TEMPLATE_FIELDS
+
+    named = [f for f in record.features if f in TEMPLATE_FIELDS]
+    if named and not has_body:
+        raise ReplayError(f"the recorded request set {', '.join(named)}, which the chat template renders: "
+                          "give its request body with --request-file (or as the --messages-file)")
 
 
 def _structured(data_dir: Path, receipt: Receipt, request: Any, has_body: bool) -> Any:
@@ -320,12 +335,13 @@ def replay_cmd(
             f"{receipt.params.n} choice(s), max_tokens {receipt.params.max_tokens}"
         )
         request = _read_request(receipt, prompt_file, messages_file, request_file, token_ids)
+        has_body = request_file is not None or (receipt.kind == "chat" and _is_body(messages_file))
+        _check_template_body(rec, has_body)
         prompt_ids = _prompt_ids(settings, request)
         if _prompt_hash(settings.data_dir, prompt_ids) != receipt.prompt_hash:
             typer.echo(f"prompt: DIFFERS from the recorded keyed hash ({len(prompt_ids)} tokens); not run")
             raise typer.Exit(EXIT_PROMPT_DIFFERS)
         typer.echo(f"prompt: matches the recorded keyed hash ({len(prompt_ids)} tokens)")
-        has_body = request_file is not None or (receipt.kind == "chat" and _is_body(messages_file))
         structured = _structured(settings.data_dir, receipt, request, has_body)
         out, fingerprint = _run(settings, receipt, prompt_ids, structured)
     except ReplayError as e:

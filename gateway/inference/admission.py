@@ -15,6 +15,7 @@ from engine import SamplingParams, ServedModel, TenantShare
 from gateway.audit_hook import AuditUnavailableError, DeferredEvent, chain_steps
 from gateway.errors import InvalidRequest, PolicyViolation
 from gateway.inference import retention
+from gateway.inference.chat_template import template_features
 from gateway.inference.prompt_tokens import (  # kvgate replay and the benchmarks import these from here
     chat_token_ids,
     check_prompt_bytes,
@@ -315,8 +316,11 @@ async def admit(
         params = sampling_params(req, decision, len(tokenizer), found.structured)
         fields = _admitted_fields(request_id, principal, req.model, len(prompt_ids), decision)
         fields |= described
-        if found.features:
-            fields["features"] = list(found.features)
+        features = list(found.features)
+        if isinstance(req, ChatCompletionRequest):
+            features += template_features(req)  # names only: a replay of it needs its body
+        if features:
+            fields["features"] = features
         fields["prompt_hash"] = prompt_hash = rt.prompt_hash(prompt_ids)
         # Everything the admission holds is made before the reservation: nothing can fail between it and
         # the Admission that settles it (a reservation no one settles would hold its tenant's slot).

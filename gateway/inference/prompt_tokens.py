@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from gateway.errors import InvalidRequest, PolicyViolation
+from gateway.inference.chat_template import check_continued
 from gateway.inference.tools import template_input
 from gateway.limits.ratelimit import exceeded
 from gateway.schemas.openai import ChatCompletionRequest, CompletionRequest
@@ -30,19 +31,21 @@ def chat_token_ids(
     *,
     allow_special_tokens: bool = False,
 ) -> list[int]:
-    """The prompt token ids of a chat request: the model's chat template with the generation prompt (and
-    the request's tools, ``gateway.inference.tools``).
+    """The prompt token ids of a chat request: the model's chat template with the generation prompt, or
+    the last message left open (``ChatTemplateFields``), and the request's tools
+    (``gateway.inference.tools``).
     ``kvgate replay`` calls this too, so a replayed prompt is rendered exactly as the gateway did.
     ``segments`` reuses the ids of pieces ``namespace`` sent before (the same ids, see its module).
     Special-token strings in what the caller sent (contents, tool calls and definitions) are text, the
     template's own markers control tokens (``gateway.text.control_tokens``); with
     ``allow_special_tokens`` (a trusted caller's policy) they are control tokens too."""
+    check_continued(req)
     messages, extra = template_input(tokenizer, req)  # tools, and earlier calls and results, if any
     control = None if allow_special_tokens else control_tokens(tokenizer)
     if control is not None:
         messages, extra = control.escape_all(messages), control.escape_all(extra)
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **extra)
+        text = tokenizer.apply_chat_template(messages, tokenize=False, **extra, **req.template_options())
     except Exception as e:  # noqa: BLE001  (template errors are the caller's message shape)
         raise InvalidRequest(
             f"The messages cannot be rendered by this model's chat template: {type(e).__name__}.",

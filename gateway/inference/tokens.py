@@ -18,6 +18,7 @@ from gateway.inference.admission import prompt_token_ids
 from gateway.limits.ratelimit import exceeded
 from gateway.principal import Principal
 from gateway.runtime import Runtime
+from gateway.schemas.chat_template import TEMPLATE_FIELDS
 from gateway.schemas.openai import ChatCompletionRequest, CompletionRequest
 from gateway.schemas.tokens import DetokenizeRequest, TokenizeRequest
 from gateway.tenancy.tenants import current_policy
@@ -58,6 +59,18 @@ async def _policy(rt: Runtime, principal: Principal, model: str) -> Policy:
     return policy
 
 
+def _check_no_template(req: TokenizeRequest) -> None:
+    """A ``prompt`` runs through no chat template: a template field with it would be ignored.
+
+    Raises:
+        InvalidRequest: A chat template field was sent with ``prompt`` (400, ``param`` the field).
+    """
+    for name in TEMPLATE_FIELDS:
+        if name in req.model_fields_set:
+            raise InvalidRequest(f"{name} applies to messages, through the chat template; a prompt has none.",
+                                 code="invalid_value", param=name)
+
+
 async def tokenize(rt: Runtime, principal: Principal, req: TokenizeRequest) -> dict:
     """``{"count", "max_model_len", "tokens"}`` for ``req``'s prompt or chat on its model.
 
@@ -69,8 +82,9 @@ async def tokenize(rt: Runtime, principal: Principal, req: TokenizeRequest) -> d
     policy = await _policy(rt, principal, req.model)
     if req.messages is not None:
         body: ChatCompletionRequest | CompletionRequest = ChatCompletionRequest(
-            model=req.model, messages=req.messages, tools=req.tools)
+            model=req.model, messages=req.messages, tools=req.tools, **req.template_options())
     else:
+        _check_no_template(req)
         body = CompletionRequest(model=req.model, prompt=req.prompt or "")
     model = rt.engine if target is None else target
     segments = rt.segments if target is None else target.segments

@@ -7,6 +7,7 @@ from typing import Annotated, Any, Literal
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from gateway.schemas.chat_template import ChatTemplateFields
 from gateway.schemas.openai_tools import (
     MAX_TOOLS,
     ResponseFormat,
@@ -170,8 +171,9 @@ _MetadataKey = Annotated[str, Field(min_length=1, max_length=64)]
 _MetadataValue = Annotated[str, Field(max_length=512)]
 
 
-class ChatCompletionRequest(SamplingFields):
-    """A chat completion. Beyond the shared fields, OpenAI's that describe the request:
+class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
+    """A chat completion. Beyond the shared fields and vLLM's chat template fields (``ChatTemplateFields``),
+    OpenAI's that describe the request:
 
     Attributes:
         metadata: Up to 16 string pairs (keys up to 64 characters, values up to 512), recorded in the

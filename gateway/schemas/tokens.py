@@ -6,6 +6,7 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from gateway.schemas.chat_template import ChatTemplateFields
 from gateway.schemas.openai import ChatMessage
 from gateway.schemas.openai_tools import MAX_TOOLS, Tool
 
@@ -16,9 +17,10 @@ class _Strict(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
 
-class TokenizeRequest(_Strict):
+class TokenizeRequest(ChatTemplateFields):
     """What to tokenize: ``prompt`` (as ``/v1/completions`` takes it) or ``messages`` and ``tools`` (as
-    ``/v1/chat/completions`` renders them through the model's chat template), exactly one of the two."""
+    ``/v1/chat/completions`` renders them through the model's chat template, with its chat template
+    fields), exactly one of the two."""
 
     model: str = Field(min_length=1, max_length=256)
     prompt: Annotated[str, Field(max_length=1_000_000)] | None = None

@@ -162,6 +162,10 @@ TOKEN_DECIDING = {
     "regex": {"temperature": 0, "guided_regex": "[a-z]{2,9}"},
     "tools": {"temperature": 0, "tools": [WEATHER],
               "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
+    "continue_final_message": {"temperature": 0, "add_generation_prompt": False,
+                               "continue_final_message": True,
+                               "messages": [{"role": "user", "content": "Say a colour."},
+                                            {"role": "assistant", "content": "Sure: the colour"}]},
 }
 MODES = ("fixed", "batch_invariant")
 
@@ -188,6 +192,22 @@ async def test_a_request_with_token_deciding_parameters_replays(
             "determinism": mode, **TOKEN_DECIDING[case]}
     res = await _replay_chat(gw, tiny_model_dir, tmp_path, h, body)
     assert res.exit_code == 0 and "REPLAY MATCHES" in res.output, res.output
+
+
+async def test_a_chat_with_template_fields_needs_its_body(gw: Gateway, tiny_model_dir: Path,
+                                                         tmp_path: Path) -> None:
+    h = await tenant_headers(gw)
+    messages = [{"role": "user", "content": "template fields"}]
+    body = {"model": gw.runtime.engine.model_name, "messages": messages, "max_tokens": 2, "temperature": 0,
+            "determinism": "batch_invariant", "add_generation_prompt": False}
+    r = await gw.client.post("/v1/chat/completions", headers=h, json=body)
+    assert r.status_code == 200, r.text
+    messages_file = tmp_path / "messages.json"
+    messages_file.write_text(json.dumps(messages))
+    res = await _replay(gw, tiny_model_dir, r.json()["id"].removeprefix("chatcmpl-"), "--messages-file",
+                        str(messages_file))
+    assert res.exit_code == 2 and "add_generation_prompt" in res.output, res.output
+    assert "--request-file" in res.output
 
 
 @pytest.mark.parametrize("mode", MODES)
