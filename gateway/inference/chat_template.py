@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from gateway.errors import InvalidRequest
 from gateway.schemas.openai import ChatCompletionRequest
 
@@ -20,8 +22,24 @@ def check_continued(req: ChatCompletionRequest) -> None:
                              param=f"messages.{last}.role")
 
 
+def template_kwargs(tokenizer: Any, req: ChatCompletionRequest) -> dict[str, Any]:
+    """The request's ``chat_template_kwargs`` for ``tokenizer``'s template.
+
+    Raises:
+        InvalidRequest: One names a special token of the tokenizer, which the template gets under that
+            name (400, ``param`` ``chat_template_kwargs``).
+    """
+    kwargs = req.chat_template_kwargs or {}
+    named = getattr(tokenizer, "special_tokens_map", None) or {}
+    for name in kwargs:
+        if name in named:
+            raise InvalidRequest(f"'{name}' is the chat template's own input (a special token of this "
+                                 "model); chat_template_kwargs may not set it.", param="chat_template_kwargs")
+    return dict(kwargs)
+
+
 def template_features(req: ChatCompletionRequest) -> list[str]:
     """The chat template fields ``req`` sets away from their defaults, by name (never a value), for its
     ``request.admitted`` event: a replay of it needs its body, where they are."""
-    return [name for name, value in req.template_options().items()
+    return [name for name, value in req.template_fields().items()
             if value != ChatCompletionRequest.model_fields[name].default]

@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from gateway.errors import InvalidRequest, PolicyViolation
-from gateway.inference.chat_template import check_continued
+from gateway.inference.chat_template import check_continued, template_kwargs
 from gateway.inference.tools import template_input
 from gateway.limits.ratelimit import exceeded
 from gateway.schemas.openai import ChatCompletionRequest, CompletionRequest
@@ -41,11 +41,14 @@ def chat_token_ids(
     ``allow_special_tokens`` (a trusted caller's policy) they are control tokens too."""
     check_continued(req)
     messages, extra = template_input(tokenizer, req)  # tools, and earlier calls and results, if any
+    extra = template_kwargs(tokenizer, req) | extra  # the caller's variables: text, escaped as the messages
     control = None if allow_special_tokens else control_tokens(tokenizer)
     if control is not None:
         messages, extra = control.escape_all(messages), control.escape_all(extra)
     try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, **extra, **req.template_options())
+        text = tokenizer.apply_chat_template(messages, tokenize=False,
+                                             add_generation_prompt=req.add_generation_prompt,
+                                             continue_final_message=req.continue_final_message, **extra)
     except Exception as e:  # noqa: BLE001  (template errors are the caller's message shape)
         raise InvalidRequest(
             f"The messages cannot be rendered by this model's chat template: {type(e).__name__}.",
@@ -124,8 +127,9 @@ def check_prompt_bytes(
 
 
 def _tool_chars(req: ChatCompletionRequest) -> int:
-    """About the text the tools and earlier calls add to a chat's rendered prompt."""
-    defined = sum(schema_bytes(t.function.parameters or {}) + len(t.function.description or "")
+    """About the text the tools, earlier calls and template variables add to a chat's rendered prompt."""
+    defined = schema_bytes(req.chat_template_kwargs) if req.chat_template_kwargs else 0
+    defined += sum(schema_bytes(t.function.parameters or {}) + len(t.function.description or "")
                   for t in req.tools or [])
     return defined + sum(len(c.function.arguments) for m in req.messages for c in m.tool_calls or [])
 

@@ -82,7 +82,7 @@ async def tokenize(rt: Runtime, principal: Principal, req: TokenizeRequest) -> d
     policy = await _policy(rt, principal, req.model)
     if req.messages is not None:
         body: ChatCompletionRequest | CompletionRequest = ChatCompletionRequest(
-            model=req.model, messages=req.messages, tools=req.tools, **req.template_options())
+            model=req.model, messages=req.messages, tools=req.tools, **req.template_fields())
     else:
         _check_no_template(req)
         body = CompletionRequest(model=req.model, prompt=req.prompt or "")

@@ -1,5 +1,6 @@
-"""vLLM's chat template fields through the app: ``add_generation_prompt`` and ``continue_final_message`` on
-``/v1/chat/completions`` and ``/tokenize``, in every determinism mode, and their 400s."""
+"""vLLM's chat template fields through the app: ``add_generation_prompt``, ``continue_final_message`` and
+``chat_template_kwargs`` on ``/v1/chat/completions`` and ``/tokenize``, in every determinism mode, and their
+400s."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 import pytest_asyncio
 
 from tests.gateway.conftest import Gateway, migrated_sqlite, open_gateway
+from tests.gateway.test_chat_template_kwargs import THINKING_TEMPLATE
 from tests.gateway.test_openai import tenant_headers
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -112,3 +114,51 @@ async def test_bad_combinations_are_400s_naming_the_field(tgw, path, extra, para
     r = await tgw.client.post(path, headers=h, json=body)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.text
+
+
+async def test_variables_through_the_app(tgw, monkeypatch):
+    h = await tenant_headers(tgw)
+    model = tgw.runtime.engine.model_name
+    plain = (await _tokenize(tgw, h, messages=[ASK]))["tokens"]
+    out = await _tokenize(tgw, h, messages=[ASK], chat_template_kwargs={"enable_thinking": False})
+    assert out["tokens"] == plain  # the model's template reads no variable
+    monkeypatch.setattr(tgw.runtime.engine.tokenizer, "chat_template", THINKING_TEMPLATE)
+    unset = (await _tokenize(tgw, h, messages=[ASK]))["tokens"]
+    thinking = (await _tokenize(tgw, h, messages=[ASK], chat_template_kwargs={"enable_thinking": False}))
+    assert len(thinking["tokens"]) > len(unset) and thinking["tokens"][:len(unset)] == unset
+    body = {"model": model, "messages": [ASK], "max_tokens": 2, "temperature": 0,
+            "chat_template_kwargs": {"enable_thinking": False}}
+    r = await tgw.client.post("/v1/chat/completions", headers=h, json=body)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == thinking["count"]
+
+
+@pytest.mark.parametrize(("path", "kwargs"), [
+    ("/v1/chat/completions", {"messages": []}),
+    ("/v1/chat/completions", {"add_generation_prompt": False}),
+    ("/v1/chat/completions", {"eos_token": "x"}),
+    ("/v1/chat/completions", {"namespace": "x"}),
+    ("/v1/chat/completions", {"x": {"nested": 1}}),
+    ("/v1/chat/completions", {"bad name": 1}),
+    ("/v1/chat/completions", {f"k{i}": 1 for i in range(33)}),
+    ("/v1/chat/completions", {"x": "a" * 16_400}),
+    ("/v1/chat/completions", {"x": list(range(65))}),
+    ("/tokenize", {"tools": []}),
+    ("/tokenize", "not an object"),
+])
+async def test_bad_variables_are_400s(tgw, path, kwargs):
+    h = await tenant_headers(tgw)
+    body = {"model": tgw.runtime.engine.model_name, "messages": [ASK], "chat_template_kwargs": kwargs}
+    r = await tgw.client.post(path, headers=h, json=body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "chat_template_kwargs" and error["code"] == "invalid_value", error
+    if isinstance(kwargs, dict) and len(kwargs) == 1 and " " not in next(iter(kwargs)):
+        assert next(iter(kwargs)) in error["message"]
+
+
+async def test_a_prompt_takes_no_variables(tgw):
+    h = await tenant_headers(tgw)
+    body = {"model": tgw.runtime.engine.model_name, "prompt": "plain", "chat_template_kwargs": {"a": 1}}
+    r = await tgw.client.post("/tokenize", headers=h, json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs", r.text

@@ -199,15 +199,21 @@ async def test_a_chat_with_template_fields_needs_its_body(gw: Gateway, tiny_mode
     h = await tenant_headers(gw)
     messages = [{"role": "user", "content": "template fields"}]
     body = {"model": gw.runtime.engine.model_name, "messages": messages, "max_tokens": 2, "temperature": 0,
-            "determinism": "batch_invariant", "add_generation_prompt": False}
+            "determinism": "batch_invariant", "add_generation_prompt": False,
+            "chat_template_kwargs": {"enable_thinking": False}}
     r = await gw.client.post("/v1/chat/completions", headers=h, json=body)
     assert r.status_code == 200, r.text
     messages_file = tmp_path / "messages.json"
     messages_file.write_text(json.dumps(messages))
     res = await _replay(gw, tiny_model_dir, r.json()["id"].removeprefix("chatcmpl-"), "--messages-file",
                         str(messages_file))
-    assert res.exit_code == 2 and "add_generation_prompt" in res.output, res.output
+    assert res.exit_code == 2 and "add_generation_prompt, chat_template_kwargs" in res.output, res.output
     assert "--request-file" in res.output
+    body_file = tmp_path / "body.json"
+    body_file.write_text(json.dumps(body))
+    res = await _replay(gw, tiny_model_dir, r.json()["id"].removeprefix("chatcmpl-"), "--messages-file",
+                        str(messages_file), "--request-file", str(body_file))
+    assert res.exit_code == 0 and "REPLAY MATCHES" in res.output, res.output
 
 
 @pytest.mark.parametrize("mode", MODES)
