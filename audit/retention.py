@@ -134,13 +134,14 @@ class RetentionStore:
         return dek
 
     async def put(self, tenant_id: str, prompt: Any, completion: Any, *, retain_days: int,
-                  request_id: str | None = None) -> str:
-        """Encrypt and store one record; returns its id."""
+                  request_id: str | None = None, record_id: str | None = None) -> str:
+        """Encrypt and store one record, as ``record_id`` (unique: a caller's own, such as a request id,
+        for records it finds again by it) or a new id; returns its id."""
         if retain_days < 1:
             raise ValueError("retain_days must be >= 1")
         dek = await self._data_key(tenant_id, create=True)
         assert dek is not None
-        record_id = secrets.token_hex(16)
+        record_id = record_id or secrets.token_hex(16)
         body = orjson.dumps({"prompt": prompt, "completion": completion})
         now = datetime.now(UTC)
         async with self.engine.begin() as conn:

@@ -3,18 +3,19 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from litestar import Controller, asgi, get
 from litestar.exceptions import MethodNotAllowedException
 from litestar.types import Receive, Scope, Send
 
-from gateway.asgi_io import ClientGone, read_body, send_reply
+from gateway.asgi_io import ClientGone, StreamReply, WholeReply, read_body, send_reply
 from gateway.auth import DEFER_AUTH_AUDIT
 from gateway.body import parse_body
 from gateway.errors import NotFound
 from gateway.guards import requires_tenant
-from gateway.inference import completions
+from gateway.inference import completions, responses
 from gateway.openapi import Body, Reply, route_doc
 from gateway.principal import Principal
 from gateway.runtime import Runtime
@@ -24,19 +25,19 @@ from gateway.schemas.responses import (
     ChatCompletionChunk,
     ModelCard,
     ModelList,
+    ResponseEvent,
+    ResponseObject,
     TextCompletion,
     TextCompletionChunk,
 )
+from gateway.schemas.responses_api import ResponsesRequest
 from gateway.tenancy.tenants import current_policy
 
+Handle = Callable[[Runtime, Principal, bytes, Any, Receive], Awaitable[WholeReply | StreamReply | None]]
 
-async def _complete(
-    scope: Scope,
-    receive: Receive,
-    send: Send,
-    schema: type[ChatCompletionRequest] | type[CompletionRequest],
-    kind: RequestKind,
-) -> None:
+
+async def _serve(scope: Scope, receive: Receive, send: Send, handle: Handle) -> None:
+    """Read a completion route's body and send what ``handle`` answers for it."""
     if scope["method"] != "POST":
         raise MethodNotAllowedException(headers={"Allow": "POST"})
     runtime: Runtime = scope["app"].state.runtime
@@ -44,11 +45,18 @@ async def _complete(
         raw = await read_body(scope, receive, runtime.settings.max_body_bytes)
     except ClientGone:
         return  # nobody to answer; the key middleware still records the request's auth.success
-    # The body is validated after the tenant's rate gate: over its rate, a tenant is refused unread.
-    parse = functools.partial(parse_body, raw, schema)
-    reply = await completions.handle(runtime, scope["user"], parse, kind, scope.get("auth"), receive)
+    reply = await handle(runtime, scope["user"], raw, scope.get("auth"), receive)
     if reply is not None:  # else the client left while it was generated: aborted and settled
         await send_reply(reply, receive, send, runtime.settings.stream_stall_timeout_s)
+
+
+def _completions(schema: type[ChatCompletionRequest] | type[CompletionRequest], kind: RequestKind) -> Handle:
+    def handle(rt: Runtime, principal: Principal, raw: bytes, auth: Any, receive: Receive) -> Awaitable[Any]:
+        # The body is validated after the tenant's rate gate: over its rate, a tenant is refused unread.
+        parse = functools.partial(parse_body, raw, schema)
+        return completions.handle(rt, principal, parse, kind, auth, receive)
+
+    return handle
 
 
 def _model_card(name: str, modes: list[str]) -> dict[str, Any]:
@@ -102,7 +110,7 @@ class OpenAIController(Controller):
             QuotaExceeded: Over a rate or quota (429, with ``Retry-After``).
             EngineOverloaded: Every place in the engine is taken (503, with ``Retry-After``).
         """
-        await _complete(scope, receive, send, ChatCompletionRequest, "chat")
+        await _serve(scope, receive, send, _completions(ChatCompletionRequest, "chat"))
 
     @asgi(
         "/completions",
@@ -120,7 +128,28 @@ class OpenAIController(Controller):
             QuotaExceeded: Over a rate or quota (429).
             EngineOverloaded: Every place in the engine is taken (503, with ``Retry-After``).
         """
-        await _complete(scope, receive, send, CompletionRequest, "text")
+        await _serve(scope, receive, send, _completions(CompletionRequest, "text"))
+
+    @asgi(
+        "/responses",
+        opt=_completion_opt(ResponsesRequest, ResponseObject, ResponseEvent),
+        copy_scope=False,
+    )
+    async def create_response(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """``POST``: create a model response (OpenAI's Responses API; ``stream: true`` for its events).
+
+        Runs as the chat completion it asks for: the same admission, quotas, audit and determinism.
+        Replies with a ``response`` object, or an SSE stream of typed events (``response.created`` ...
+        ``response.completed``). ``previous_response_id`` continues a stored response where the tenant's
+        policy retains prompts and completions.
+
+        Raises:
+            InvalidRequest: Malformed body, or a field kvgate cannot honour (400).
+            PolicyViolation: Over the tenant's limits (400).
+            QuotaExceeded: Over a rate or quota (429, with ``Retry-After``).
+            EngineOverloaded: Every place in the engine is taken (503, with ``Retry-After``).
+        """
+        await _serve(scope, receive, send, responses.handle)
 
     @get(
         "/models",

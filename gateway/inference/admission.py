@@ -210,7 +210,7 @@ def described_fields(req: ChatCompletionRequest | CompletionRequest, policy: Pol
                              param="store")
     fields = {"metadata": getattr(req, "metadata", None), "user": req.user,
               "service_tier": getattr(req, "service_tier", None), "client_request_id": req.request_id}
-    return {k: v for k, v in fields.items() if v is not None}
+    return {k: v for k, v in fields.items() if v is not None} | getattr(req, "described_extra", {})
 
 
 def _admitted_fields(
@@ -330,7 +330,9 @@ async def admit(
             policy.allow_shared_upstream_cache)
         fingerprint = None if target is not None else rt.engine.determinism.fingerprints[decision.determinism]
         share = None if target is not None else _share(rt, principal, policy)
-        retained = retention.retained_prompt(req) if policy.prompt_retention_days else None
+        # Kept by the settlement unless the endpoint keeps its own record (the Responses API's).
+        retain_days = 0 if getattr(req, "keeps_own_record", False) else policy.prompt_retention_days
+        retained = retention.retained_prompt(req) if retain_days else None
         reservation, info = await _reserve_audited(rt, principal, policy, decision, fields, auth_event, hold)
     except BaseException:
         hold.give()  # what refused the request after the gate gives its places back
@@ -340,7 +342,7 @@ async def admit(
     return Admission(
         request_id, kind, principal, req.model, prompt_ids, params, namespace, decision.priority, reservation,
         info.headers(), int(time.time()),
-        retain_days=policy.prompt_retention_days,
+        retain_days=retain_days,
         retained_prompt=retained,
         prompt_hash=prompt_hash,
         structured_hash=rt.structured_hash(found.structured),

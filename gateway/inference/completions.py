@@ -33,6 +33,7 @@ from gateway.principal import Principal
 from gateway.runtime import Runtime
 from gateway.schemas.openai import ChatCompletionRequest, CompletionRequest, RequestKind
 from gateway.upstream import backend as upstream_backend
+from policies import Policy
 
 log = structlog.get_logger()
 T = TypeVar("T")
@@ -242,6 +243,43 @@ async def _take_place(rt: Runtime, adm: Admission) -> None:
         raise
 
 
+Request = TypeVar("Request", ChatCompletionRequest, CompletionRequest)
+
+
+async def admitted(
+    rt: Runtime,
+    principal: Principal,
+    parse: Callable[[Policy], Awaitable[Request]],
+    kind: RequestKind,
+    auth_event: DeferredEvent | None = None,
+) -> tuple[Request, Admission]:
+    """Gate, read and admit one completion request, and take its place in the engine: the request and
+    its admission, which must be run (``run``) or settled. ``parse`` reads the request's body once the
+    tenant is past its rate gate (``admission.gate``), given the tenant's policy: a tenant over its rate
+    is refused without the server validating what it sent."""
+    gated = await _audited(rt, principal, kind, auth_event, gate(rt, principal))
+    try:
+        req = await parse(gated.policy)  # its 400 is not a rejected request (nothing of it was read)
+    except BaseException:
+        gated.hold.give()  # the gate's place back
+        raise
+    adm = await _audited(rt, principal, kind, auth_event, admit(rt, principal, req, kind, auth_event, gated))
+    await _take_place(rt, adm)
+    return req, adm
+
+
+async def run(rt: Runtime, req: ChatCompletionRequest | CompletionRequest, adm: Admission,
+              receive: Receive | None = None) -> WholeReply | StreamReply | None:
+    """Run an admitted request: its whole reply, or its stream once its head is ready. With the
+    connection's ``receive``, a whole response's generation, or a stream's before its head is sent, is
+    aborted (and settled) when its client leaves: ``None`` then."""
+    backend = BUILTIN if adm.upstream is None else UPSTREAM
+    work = backend.open_stream(rt, adm, req.include_usage) if req.stream else backend.run_whole(rt, adm)
+    # A stream's head waits for its first output: a client that leaves before then has its request
+    # aborted now, not when that output comes (its engine place back to the others at once).
+    return await work if receive is None else await unless_client_leaves(work, receive)
+
+
 async def handle(
     rt: Runtime,
     principal: Principal,
@@ -252,24 +290,14 @@ async def handle(
 ) -> WholeReply | StreamReply | None:
     """Admit, run and answer one completion request (``kind`` is ``chat`` or ``text``); ``auth_event`` is
     the request's deferred ``auth.success`` (see ``gateway.auth.DEFER_AUTH_AUDIT``). The reply settles
-    the request's usage once sent (``gateway.asgi_io.send_reply``). With the connection's ``receive``,
-    a whole response's generation, or a stream's before its head is sent, is aborted (and settled) when
-    its client leaves: ``None`` then.
-    ``parse`` validates the request's body once the tenant is past its rate gate (``admission.gate``):
-    a tenant over its rate is refused without the server validating what it sent."""
-    gated = await _audited(rt, principal, kind, auth_event, gate(rt, principal))
-    try:
-        req = parse()  # its 400 is not a rejected request (nothing of it was read): the gate's place back
-    except BaseException:
-        gated.hold.give()
-        raise
-    adm = await _audited(rt, principal, kind, auth_event, admit(rt, principal, req, kind, auth_event, gated))
-    await _take_place(rt, adm)
-    backend = BUILTIN if adm.upstream is None else UPSTREAM
-    work = backend.open_stream(rt, adm, req.include_usage) if req.stream else backend.run_whole(rt, adm)
-    # A stream's head waits for its first output: a client that leaves before then has its request
-    # aborted now, not when that output comes (its engine place back to the others at once).
-    return await work if receive is None else await unless_client_leaves(work, receive)
+    the request's usage once sent (``gateway.asgi_io.send_reply``). ``parse`` validates the body after
+    the rate gate (``admitted``); ``receive`` as ``run`` takes it."""
+
+    async def parsed(_policy: Policy) -> ChatCompletionRequest | CompletionRequest:
+        return parse()
+
+    req, adm = await admitted(rt, principal, parsed, kind, auth_event)
+    return await run(rt, req, adm, receive)
 
 
 async def _open_stream(rt: Runtime, adm: Admission, include_usage: bool) -> StreamReply:

@@ -46,14 +46,17 @@ def retained_prompt(req: ChatCompletionRequest | CompletionRequest) -> Any:
 
 
 async def retain(
-    rt: Runtime, tenant_id: str, request_id: str, prompt: Any, completions: list[str], days: int
+    rt: Runtime, tenant_id: str, request_id: str, prompt: Any, completions: list[Any], days: int,
+    record_id: str | None = None,
 ) -> str | None:
-    """Seal one request's prompt and completions; a failure is logged (never its content), not raised.
+    """Seal one request's prompt and completions (as record ``record_id``, else a new id); a failure is
+    logged (never its content), not raised.
 
     The response is already produced when this runs, so refusing it would only lose the user's work.
     """
     try:
-        return await rt.retention.put(tenant_id, prompt, completions, retain_days=days, request_id=request_id)
+        return await rt.retention.put(tenant_id, prompt, completions, retain_days=days, request_id=request_id,
+                                      record_id=record_id)
     except Exception as e:  # noqa: BLE001
         log.error("retention.write_failed", request_id=request_id, error_type=type(e).__name__)
         return None

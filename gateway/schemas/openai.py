@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -68,6 +68,20 @@ MAX_ALLOWED_TOKEN_IDS = 4096  # each step of the request scatters them into its 
 # Which completions API a request came by: /v1/chat/completions or /v1/completions.
 RequestKind = Literal["chat", "text"]
 _Choice = Annotated[str, Field(min_length=1, max_length=1024)]
+
+
+def one_error(value: Any, handler: Any, message: str) -> Any:
+    """``handler(value)`` (a wrap validator's), any failure as one error with ``message``: not one per
+    member of a union, whose tags would end up in the error's ``param``."""
+    try:
+        return handler(value)
+    except ValidationError:
+        raise ValueError(message) from None
+
+
+def check_stream_options(stream_options: object, stream: bool) -> None:
+    if stream_options is not None and not stream:
+        raise ValueError("stream_options is only allowed when stream is true")
 
 
 class SamplingFields(_Strict):
@@ -152,8 +166,7 @@ class SamplingFields(_Strict):
 
     @model_validator(mode="after")
     def _check_stream_options(self) -> SamplingFields:
-        if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options is only allowed when stream is true")
+        check_stream_options(self.stream_options, self.stream)
         return self
 
     @property
@@ -169,6 +182,8 @@ class SamplingFields(_Strict):
 
 _MetadataKey = Annotated[str, Field(min_length=1, max_length=64)]
 _MetadataValue = Annotated[str, Field(max_length=512)]
+# OpenAI's ``metadata``: up to 16 string pairs, keys up to 64 characters, values up to 512.
+Metadata = Annotated[dict[_MetadataKey, _MetadataValue], Field(max_length=16)]
 
 
 class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
@@ -183,6 +198,11 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
         service_tier: Accepted and recorded; every request is served in the one tier there is.
     """
 
+    # Whether the endpoint keeps its own record of the request where the policy retains prompts (the
+    # Responses API does, for ``previous_response_id``); else the settlement keeps the chat completion's.
+    keeps_own_record: ClassVar[bool] = False
+    described_extra: ClassVar[dict[str, Any]] = {}  # more for the request.admitted event (Responses API)
+
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=4096)]
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
@@ -192,19 +212,15 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
     tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
-    metadata: Annotated[dict[_MetadataKey, _MetadataValue], Field(max_length=16)] | None = None
+    metadata: Metadata | None = None
     store: bool | None = None
     service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
 
     @field_validator("tool_choice", mode="wrap")
     @classmethod
     def _check_tool_choice(cls, value: Any, handler: Any) -> Any:
-        # One message naming the field, not one per member of the union (whose tags end up in ``param``).
-        try:
-            return handler(value)
-        except ValidationError:
-            raise ValueError('tool_choice must be "none", "auto", "required" or '
-                             '{"type": "function", "function": {"name": ...}}') from None
+        return one_error(value, handler, 'tool_choice must be "none", "auto", "required" or '
+                                         '{"type": "function", "function": {"name": ...}}')
 
     @model_validator(mode="after")
     def _check_logprobs(self) -> ChatCompletionRequest:

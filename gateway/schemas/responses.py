@@ -172,6 +172,103 @@ class TextCompletionChunk(_CompletionHead):
     usage: Usage | None = None
 
 
+class ResponseText(_Doc):
+    type: Literal["output_text"]
+    text: str
+    annotations: list[None]
+    logprobs: list[TokenLogprob]
+
+
+class ResponseMessage(_Doc):
+    type: Literal["message"]
+    id: str
+    status: Literal["in_progress", "completed", "incomplete"]
+    role: Literal["assistant"]
+    content: list[ResponseText]
+
+
+class ResponseFunctionCall(_Doc):
+    type: Literal["function_call"]
+    id: str
+    call_id: str
+    name: str
+    arguments: str  # JSON text
+    status: Literal["in_progress", "completed", "incomplete"]
+
+
+class ResponseUsage(_Doc):
+    input_tokens: int
+    input_tokens_details: PromptTokensDetails
+    output_tokens: int
+    output_tokens_details: CompletionTokensDetails
+    total_tokens: int
+
+
+class ResponseError(_Doc):
+    code: str
+    message: str | None
+
+
+class ResponseObject(_Doc):
+    """A whole ``response`` (the Responses API): ``output`` holds the assistant's message and its function
+    calls; ``status`` ``incomplete`` (with ``incomplete_details.reason`` ``max_output_tokens``) when the
+    reply was cut short. The request's settings are echoed as OpenAI echoes them."""
+
+    id: str
+    object: Literal["response"]
+    created_at: int
+    model: str
+    status: Literal["in_progress", "completed", "incomplete", "failed"]
+    error: ResponseError | None
+    incomplete_details: dict[str, str] | None
+    output: list[ResponseMessage | ResponseFunctionCall]
+    usage: ResponseUsage | None
+    instructions: str | None
+    max_output_tokens: int | None
+    metadata: dict[str, str]
+    parallel_tool_calls: bool
+    previous_response_id: str | None
+    temperature: float
+    top_p: float
+    top_logprobs: int | None
+    tool_choice: str | dict[str, str]
+    tools: list[dict[str, object]]
+    text: dict[str, object]
+    truncation: Literal["disabled"]
+    reasoning: dict[str, None]
+    store: bool
+    user: str | None
+    safety_identifier: str | None
+    prompt_cache_key: str | None
+    service_tier: str
+    background: Literal[False]
+
+
+class ResponseEvent(_Doc):
+    """One server-sent event of a streamed response (``event:`` names its ``type``): ``response.created``,
+    ``response.in_progress``, per output item ``response.output_item.added`` ... ``response.output_item.done``
+    (a message's ``response.content_part.added``, ``response.output_text.delta``/``.done``,
+    ``response.content_part.done``; a call's ``response.function_call_arguments.delta``/``.done``), then
+    ``response.completed`` or ``response.incomplete``; or ``error`` and ``response.failed`` if it broke."""
+
+    type: str
+    sequence_number: int
+    response: ResponseObject | None = None
+    output_index: int | None = None
+    item_id: str | None = None
+    content_index: int | None = None
+    item: ResponseMessage | ResponseFunctionCall | None = None
+    part: ResponseText | None = None
+    delta: str | None = None
+    text: str | None = None
+    name: str | None = None
+    arguments: str | None = None
+    logprobs: list[TokenLogprob] | None = None
+    code: str | None = None
+    message: str | None = None
+    param: str | None = None
+
+
 class ModelCard(_Doc):
     id: str
     object: Literal["model"]
