@@ -96,6 +96,10 @@ class AuditKeys:
         (after the chat template), so equal prompts correlate and the text never shows."""
         return self.prompt_hash(",".join(map(str, token_ids)))
 
+    def prompts_hash(self, prompts: Sequence[Sequence[int]]) -> str:
+        """``token_ids_hash`` of several prompts in order (one prompt: its ``token_ids_hash``)."""
+        return self.prompt_hash(";".join(",".join(map(str, ids)) for ids in prompts))
+
     def structured_hash(self, kind: str, spec: str) -> str:
         """The keyed hash of a structured output's kind and spec (never its cache key, which changes no
         token): a replay rebuilds the constraint from the request body and checks it against this."""

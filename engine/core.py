@@ -20,7 +20,7 @@ from engine.output_processor import RequestState
 from engine.outputs import RequestDelta, RequestOutput
 from engine.protocol import ENGINE_REQUEST_VERSION, EngineRequest
 from engine.request import RequestStatus, SamplingParams, Sequence
-from engine.request_checks import RESERVED_NS, check_add_args, fitted_length, tokenize_prompt
+from engine.request_checks import RESERVED_NS, check_add_args, fitted_length, tokenize_prompts
 from engine.runner.model_runner import ModelRunner
 from engine.runner.overlap import SampledStep, StepOverlap
 from engine.runner.setup import LoadedModel, load_model, setup_determinism
@@ -89,13 +89,14 @@ class LLMEngine:
                                 cache_namespace=request.cache_namespace, priority=request.priority,
                                 share=request.share)
 
-    def add_request(self, prompt: str | Seq[int], params: SamplingParams | None = None,
+    def add_request(self, prompt: str | Seq[int] | Seq[Seq[int]], params: SamplingParams | None = None,
                     request_id: str | None = None, *, cache_namespace: bytes = b"", priority: int = 0,
                     arrival_time: float | None = None, share: TenantShare | None = None) -> str:
         """Queue a request.
 
         Args:
-            prompt: Text (tokenized without special tokens) or token ids.
+            prompt: Text (tokenized without special tokens) or token ids; or a list of token-id prompts,
+                each run ``params.n`` times (output ``index`` is ``prompt_index * n + i``, vLLM's).
             params: Sampling parameters; defaults to ``SamplingParams()``.
             request_id: Unique id; generated when omitted.
             cache_namespace: Opaque prefix-cache scope; blocks are never shared across namespaces.
@@ -108,8 +109,9 @@ class LLMEngine:
             The request id.
 
         Raises:
-            InvalidRequestError: Empty or out-of-vocabulary prompt, duplicate id, bad parameters.
-            PromptTooLongError: The prompt exceeds the context, or prompt + max_tokens the whole KV pool.
+            InvalidRequestError: Empty or out-of-vocabulary prompt, duplicate id, bad parameters, more
+                than ``MAX_SEQS_PER_REQUEST`` sequences.
+            PromptTooLongError: A prompt exceeds the context, or prompt + max_tokens the whole KV pool.
         """
         params = params or SamplingParams()
         vocab = self.loaded.model_config.vocab_size
@@ -123,25 +125,36 @@ class LLMEngine:
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        prompt_ids = tokenize_prompt(self.tokenizer, prompt, vocab)
-        max_len = fitted_length(prompt_ids, params.max_tokens, self.max_model_len, self.kv)
+        prompts = tokenize_prompts(self.tokenizer, prompt, params.n, vocab)
         now = arrival_time if arrival_time is not None else time.monotonic()
-        base_seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
-        seqs = [Sequence(next(self._seq_ids), request_id, i, prompt_ids, params, arrival_time=now,
-                         priority=priority, cache_namespace=cache_namespace, sample_seed=base_seed,
-                         max_len=max_len, mode=mode) for i in range(params.n)]
+        seqs = self._make_seqs(request_id, prompts, params, now, priority=priority,
+                               cache_namespace=cache_namespace, mode=mode)
         fingerprint = self.determinism.fingerprints[mode]
         # a request whose grammar is not compiled yet waits outside the scheduler (``_admit_compiled``)
         is_ready = params.structured is None or self.grammars.add(request_id, seqs, params.structured, share)
-        self.requests[request_id] = RequestState(request_id, prompt_ids, params, seqs, self.tokenizer,
+        self.requests[request_id] = RequestState(request_id, prompts, params, seqs, self.tokenizer,
                                                  self.loaded.eos_token_ids, fingerprint, self.num_steps)
         if is_ready:
             self._schedule(seqs, share)
         return request_id
 
+    def _make_seqs(self, request_id: str, prompts: list[list[int]], params: SamplingParams, now: float, *,
+                   priority: int, cache_namespace: bytes, mode: str) -> list[Sequence]:
+        """``params.n`` sequences per prompt, sample ``p * n + i`` the ``i``-th of prompt ``p``; every
+        prompt checked against the context before any is made."""
+        max_lens = [fitted_length(ids, params.max_tokens, self.max_model_len, self.kv) for ids in prompts]
+        base_seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        n = params.n
+        return [Sequence(next(self._seq_ids), request_id, p * n + i, ids, params, arrival_time=now,
+                         priority=priority, cache_namespace=cache_namespace, sample_seed=base_seed,
+                         max_len=max_len, mode=mode)
+                for p, (ids, max_len) in enumerate(zip(prompts, max_lens, strict=True)) for i in range(n)]
+
     def _schedule(self, seqs: list[Sequence], share: TenantShare | None) -> None:
-        for i, seq in enumerate(seqs):
-            self.scheduler.add(seq, leader=seqs[0] if i else None, share=share)
+        n = seqs[0].params.n
+        for seq in seqs:  # a prompt's first sample leads: the others wait to share its cached prompt blocks
+            leader = seqs[seq.sample_index - seq.sample_index % n]
+            self.scheduler.add(seq, leader=leader if leader is not seq else None, share=share)
 
     def _admit_compiled(self, failed: dict[str, BaseException]) -> None:
         """Schedule requests whose grammar is ready (arriving now, for a replay); failures into ``failed``."""

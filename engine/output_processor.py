@@ -26,18 +26,21 @@ class _SampleText:
 
 
 class RequestState:
-    def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, seqs: list[Sequence],
-                 tokenizer, eos_token_ids: tuple[int, ...], fingerprint: str = "",
+    """A request's samples: ``params.n`` per prompt, each sample's text decoded after its own prompt."""
+
+    def __init__(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
+                 seqs: list[Sequence], tokenizer, eos_token_ids: tuple[int, ...], fingerprint: str = "",
                  arrival_step: int = 0) -> None:
         self.request_id = request_id
         self.arrival_step = arrival_step
         self.fingerprint = fingerprint
-        self.prompt_ids = prompt_ids
+        # what the first delta reports: the prompts' ids one after the other (their length is the usage)
+        self.prompt_ids = [t for ids in prompts for t in ids]
         self.params = params
         self.seqs = seqs
         self.eos = () if params.ignore_eos else eos_token_ids
-        self.samples = [_SampleText(IncrementalDetokenizer(tokenizer, prompt_ids, params.skip_special_tokens))
-                        for _ in seqs]
+        self.samples = [_SampleText(IncrementalDetokenizer(tokenizer, prompts[s.sample_index // params.n],
+                                                           params.skip_special_tokens)) for s in seqs]
         self._max_stop = max((len(s) for s in params.stop), default=0)
         self._is_first = True  # the first delta carries the prompt's ids
 
@@ -128,7 +131,9 @@ class RequestState:
                 stop_reason=seq.stop_reason, token_hash=self._token_hash(seq, sample)))
             sample.sent_tokens, sample.sent_text = num_out, max(sample.sent_text, end)
         prompt_ids, self._is_first = (self.prompt_ids if self._is_first else None), False
-        return RequestDelta(self.request_id, samples, self.finished, self.seqs[0].num_cached_tokens,
+        # each prompt's cached tokens once, as its first sample found them (the others share its blocks)
+        num_cached = sum(s.num_cached_tokens for s in self.seqs[::self.params.n])
+        return RequestDelta(self.request_id, samples, self.finished, num_cached,
                             self._metrics(), self.seqs[0].mode, self.fingerprint, prompt_ids)
 
     def _token_hash(self, seq: Sequence, sample: _SampleText) -> str | None:

@@ -62,7 +62,7 @@ class RequestDelta:
     """One step's progress of a request, what crosses the engine pipe: its size grows with the step's
     new tokens, never with the request's length (``engine.front.stream_output`` assembles the outputs).
 
-    ``prompt_token_ids`` is set on a request's first delta only.
+    ``prompt_token_ids`` is set on a request's first delta only (several prompts: one after the other).
     """
 
     request_id: str
@@ -80,7 +80,8 @@ class RequestOutput:
     """What the engine hands back for a request, incrementally and at the end.
 
     ``token_ids``, ``text``, ``finish_reason`` and ``logprobs`` are those of sample 0, the whole story
-    when ``n == 1``; ``outputs`` holds every sample.
+    when ``n == 1``; ``outputs`` holds every sample (``prompt_index * n + i`` with several prompts, whose
+    ids ``prompt_token_ids`` holds one after the other, and ``num_cached_tokens`` counts for all).
     """
 
     request_id: str

@@ -32,7 +32,8 @@ class EngineRequest:
 
     Args:
         request_id: Unique among the engine's requests.
-        prompt: Text (tokenized without special tokens) or token ids.
+        prompt: Text (tokenized without special tokens) or token ids; or a list of token-id prompts, each
+            run ``params.n`` times (``LLMEngine.add_request``).
         params: Sampling parameters.
         cache_namespace: Opaque prefix-cache scope; blocks are never shared across namespaces.
         priority: Lower runs first under the ``priority`` and ``fair`` policies (within a tenant under
@@ -42,7 +43,7 @@ class EngineRequest:
     """
 
     request_id: str
-    prompt: str | Sequence[int]
+    prompt: str | Sequence[int] | Sequence[Sequence[int]]
     params: SamplingParams = field(default_factory=SamplingParams)
     cache_namespace: bytes = b""
     priority: int = 0

@@ -9,6 +9,7 @@ from engine.request import SamplingParams
 from engine.sched.fair import TenantShare
 
 RESERVED_NS = b"\xffkvgate:"  # namespaces the engine derives itself (callers may not start with it)
+MAX_SEQS_PER_REQUEST = 128  # prompts times n: the rows one request may add to the engine
 
 
 def check_add_args(params: SamplingParams, share: TenantShare | None, cache_namespace: bytes,
@@ -42,6 +43,18 @@ def tokenize_prompt(tokenizer, prompt: str | Seq[int], vocab_size: int) -> list[
     if any(t < 0 or t >= vocab_size for t in prompt):
         raise InvalidRequestError(f"prompt token ids must be in [0, {vocab_size})")
     return list(prompt)
+
+
+def tokenize_prompts(tokenizer, prompt: str | Seq[int] | Seq[Seq[int]], n: int,
+                     vocab_size: int) -> list[list[int]]:
+    """One prompt's ids (``tokenize_prompt``), or each of a list of token-id prompts' (vLLM's batched
+    prompt: each is run ``n`` times), at most ``MAX_SEQS_PER_REQUEST`` sequences in all."""
+    if not isinstance(prompt, (list, tuple)) or not prompt or not isinstance(prompt[0], (list, tuple)):
+        return [tokenize_prompt(tokenizer, prompt, vocab_size)]
+    if len(prompt) * n > MAX_SEQS_PER_REQUEST:
+        raise InvalidRequestError(f"{len(prompt)} prompts of n={n} choices each are {len(prompt) * n} "
+                                  f"sequences; a request may have at most {MAX_SEQS_PER_REQUEST}")
+    return [tokenize_prompt(tokenizer, p, vocab_size) for p in prompt]
 
 
 def fitted_length(prompt_ids: list[int], max_tokens: int, max_model_len: int, kv) -> int:

@@ -171,6 +171,12 @@ class Runtime:
             return None
         return self.audit_store.keys.token_ids_hash(token_ids)
 
+    def prompts_hash(self, prompts: list[list[int]]) -> str | None:
+        """``prompt_hash`` of a request's prompts: of one, the same; of several, all in order."""
+        if self.audit_store is None:
+            return None
+        return self.audit_store.keys.prompts_hash(prompts)
+
     def structured_hash(self, structured: StructuredOutput | None) -> str | None:
         """Keyed hash of a structured output's spec for the request's receipt; ``None`` without one, or
         when events do not go to the audit store."""

@@ -14,14 +14,17 @@ class RequestContext:
 
     Attributes:
         model: Requested model id.
-        num_prompt_tokens: Exact prompt length after the chat template.
+        num_prompt_tokens: Exact prompt length after the chat template (of several prompts, the longest:
+            each must fit the limits on its own).
         max_tokens: Requested completion budget per choice, or ``None`` for the default.
-        n: Number of choices.
+        n: Number of choices (of several prompts, all of theirs).
         max_model_len: The served model's context length.
         determinism: Requested determinism mode, or ``None`` for the policy's.
         is_seeded: The request sends a ``seed``.
         priority: The priority the request asks for (vLLM's ``priority``: lower runs first), or ``None``.
         served_modes: The determinism modes the model's server serves; ``None``: every mode.
+        num_all_prompt_tokens: Every prompt's tokens together, reserved from the quotas; ``None``: one
+            prompt, ``num_prompt_tokens``.
     """
 
     model: str
@@ -33,6 +36,7 @@ class RequestContext:
     is_seeded: bool = False
     priority: int | None = None
     served_modes: tuple[str, ...] | None = None
+    num_all_prompt_tokens: int | None = None
 
 
 def _determinism(policy: Policy, ctx: RequestContext) -> str:
@@ -112,7 +116,7 @@ def evaluate(policy: Policy, ctx: RequestContext) -> Decision:
     return Decision(
         violation=None,
         max_tokens=max_tokens,
-        num_reserved_tokens=ctx.num_prompt_tokens + ctx.n * max_tokens,
+        num_reserved_tokens=(ctx.num_all_prompt_tokens or ctx.num_prompt_tokens) + ctx.n * max_tokens,
         # A request may run after its tenant's others, never ahead of what its policy gives it.
         priority=policy.priority if ctx.priority is None else max(policy.priority, ctx.priority),
         cache_scope=policy.prefix_cache_scope,

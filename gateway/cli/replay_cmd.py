@@ -30,8 +30,9 @@ _HELP = "\n\n".join(
         "event, read from the audit trail in --db-url / --data-dir (the data dir also holds the key of the "
         "keyed prompt hash).",
         "Give the prompt exactly as sent: --prompt-file for /v1/completions (the file's bytes as UTF-8, "
-        "a trailing newline included; with --token-ids a JSON array of token ids), --messages-file for "
-        '/v1/chat/completions (a JSON list of messages, or a request body with "messages"); the chat '
+        "a trailing newline included; with --token-ids JSON: an array of token ids, or of several "
+        "prompts), --messages-file for /v1/chat/completions (a JSON list of messages, or a request body "
+        'with "messages"); the chat '
         "template is applied exactly as the gateway does. A request with a structured output "
         "(response_format, guided_*), tools or chat template fields (add_generation_prompt, ...) needs "
         "its request body as sent, with --request-file (a chat's "
@@ -222,7 +223,8 @@ def _structured(data_dir: Path, receipt: Receipt, request: Any, has_body: bool) 
     return structured
 
 
-def _prompt_ids(settings: Any, request: Any) -> list[int]:
+def _prompt_ids(settings: Any, request: Any) -> list[list[int]]:
+    """Each prompt's ids, as the gateway made them (a chat has one prompt)."""
     from engine.runner.loader import load_tokenizer, resolve_model_dir
     from gateway.errors import GatewayError
     from gateway.inference.admission import chat_token_ids, text_token_ids
@@ -231,7 +233,7 @@ def _prompt_ids(settings: Any, request: Any) -> list[int]:
     tokenizer = load_tokenizer(resolve_model_dir(settings.model))
     try:
         if isinstance(request, ChatCompletionRequest):
-            return chat_token_ids(tokenizer, request)
+            return [chat_token_ids(tokenizer, request)]
         return text_token_ids(tokenizer, request)
     except GatewayError as e:
         raise ReplayError(e.message) from None
@@ -250,11 +252,11 @@ def _audit_keys(data_dir: Path) -> Any:
     return load_or_create_keys(data_dir)
 
 
-def _prompt_hash(data_dir: Path, prompt_ids: list[int]) -> str:
-    return _audit_keys(data_dir).token_ids_hash(prompt_ids)
+def _prompt_hash(data_dir: Path, prompts: list[list[int]]) -> str:
+    return _audit_keys(data_dir).prompts_hash(prompts)
 
 
-def _run(settings: Any, receipt: Receipt, prompt_ids: list[int], structured: Any) -> Any:
+def _run(settings: Any, receipt: Receipt, prompts: list[list[int]], structured: Any) -> Any:
     """The request, alone, in a fresh engine built like the server's."""
     from engine import LLMEngine
     from engine.replay import StreamItem, run_stream
@@ -266,7 +268,8 @@ def _run(settings: Any, receipt: Receipt, prompt_ids: list[int], structured: Any
         engine = LLMEngine(config)
         if engine.model_name != receipt.model:
             typer.echo(f"warning: recorded model {receipt.model!r}, replaying on {engine.model_name!r}")
-        item = StreamItem(0, "replay", prompt_ids, receipt.sampling_params(structured))
+        prompt = prompts[0] if len(prompts) == 1 else prompts
+        item = StreamItem(0, "replay", prompt, receipt.sampling_params(structured))
         return run_stream(engine, [item])["replay"], engine.determinism.fingerprints[receipt.determinism]
     except ValueError as e:  # InvalidRequestError, PromptTooLongError, ModelLoadError, bad settings
         raise ReplayError(f"the engine refused the replay: {e}") from None
@@ -311,7 +314,9 @@ def replay_cmd(
     messages_file: Annotated[
         Path | None, typer.Option(help="JSON messages of a /v1/chat/completions request.")
     ] = None,
-    token_ids: Annotated[bool, typer.Option(help="--prompt-file holds a JSON array of token ids.")] = False,
+    token_ids: Annotated[bool, typer.Option(
+        help="--prompt-file holds JSON: an array of token ids, or of prompts (strings or token-id arrays).")
+    ] = False,
     request_file: Annotated[
         Path | None, typer.Option(help="The request body as sent (JSON): its structured output and tools.")
     ] = None,
@@ -337,13 +342,14 @@ def replay_cmd(
         request = _read_request(receipt, prompt_file, messages_file, request_file, token_ids)
         has_body = request_file is not None or (receipt.kind == "chat" and _is_body(messages_file))
         _check_template_body(rec, has_body)
-        prompt_ids = _prompt_ids(settings, request)
-        if _prompt_hash(settings.data_dir, prompt_ids) != receipt.prompt_hash:
-            typer.echo(f"prompt: DIFFERS from the recorded keyed hash ({len(prompt_ids)} tokens); not run")
+        prompts = _prompt_ids(settings, request)
+        num_tokens = sum(map(len, prompts))
+        if _prompt_hash(settings.data_dir, prompts) != receipt.prompt_hash:
+            typer.echo(f"prompt: DIFFERS from the recorded keyed hash ({num_tokens} tokens); not run")
             raise typer.Exit(EXIT_PROMPT_DIFFERS)
-        typer.echo(f"prompt: matches the recorded keyed hash ({len(prompt_ids)} tokens)")
+        typer.echo(f"prompt: matches the recorded keyed hash ({num_tokens} tokens)")
         structured = _structured(settings.data_dir, receipt, request, has_body)
-        out, fingerprint = _run(settings, receipt, prompt_ids, structured)
+        out, fingerprint = _run(settings, receipt, prompts, structured)
     except ReplayError as e:
         typer.echo(f"cannot replay: {e}", err=True)
         raise typer.Exit(EXIT_CANNOT_REPLAY) from None

@@ -50,7 +50,7 @@ class Admission:
     kind: RequestKind
     principal: Principal
     model: str
-    prompt_token_ids: list[int]
+    prompts: list[list[int]]  # one per prompt: a chat's one, or a text completion's (vLLM's batch)
     params: SamplingParams
     cache_namespace: bytes
     priority: int
@@ -73,10 +73,24 @@ class Admission:
     tools: ToolMode | None = None  # how tool calls are read out of the reply (chat with tools only)
     upstream: UpstreamCall | None = None  # the request for the model's upstream pool; None: the engine
 
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(len(ids) for ids in self.prompts)
+
+    @property
+    def num_choices(self) -> int:
+        """The reply's choices: ``n`` per prompt."""
+        return len(self.prompts) * self.params.n
+
+    @property
+    def engine_prompt(self) -> list[int] | list[list[int]]:
+        """The prompt as the engine takes it: the ids of one, or the list of several."""
+        return self.prompts[0] if len(self.prompts) == 1 else self.prompts
+
     def __repr__(self) -> str:  # lengths only, never the prompt
         return (
             f"Admission(request_id={self.request_id!r}, tenant={self.principal.tenant_id!r}, "
-            f"num_prompt_tokens={len(self.prompt_token_ids)}, reserved={self.reservation.num_tokens})"
+            f"num_prompt_tokens={self.num_prompt_tokens}, reserved={self.reservation.num_tokens})"
         )
 
 
@@ -158,8 +172,8 @@ def _max_prompt_tokens(policy: Policy, max_model_len: int) -> int:
 async def prompt_token_ids(
     rt: Runtime, principal: Principal, policy: Policy, req: ChatCompletionRequest | CompletionRequest,
     model: ServedModel, segments: SegmentCache,
-) -> list[int]:
-    """The prompt's token ids with ``model``'s tokenizer (the engine, or an upstream ``Target``), after a
+) -> list[list[int]]:
+    """Each prompt's token ids with ``model``'s tokenizer (the engine, or an upstream ``Target``), after a
     byte cap that refuses what cannot fit without tokenizing it; long prompts go to the bounded pool."""
     settings = rt.settings
     bytes_per_token = settings.max_prompt_bytes_per_token or longest_token_bytes(model.tokenizer)
@@ -173,15 +187,16 @@ async def prompt_token_ids(
 async def _decide(
     rt: Runtime, principal: Principal, policy: Policy, req: ChatCompletionRequest | CompletionRequest,
     target: Target | None,
-) -> tuple[list[int], Decision]:
+) -> tuple[list[list[int]], Decision]:
     model: ServedModel = rt.engine if target is None else target
     segments = rt.segments if target is None else target.segments
-    prompt_ids = await prompt_token_ids(rt, principal, policy, req, model, segments)
+    prompts = await prompt_token_ids(rt, principal, policy, req, model, segments)
     ctx = RequestContext(
         model=req.model,
-        num_prompt_tokens=len(prompt_ids),
+        num_prompt_tokens=max(len(ids) for ids in prompts),
+        num_all_prompt_tokens=sum(len(ids) for ids in prompts),
         max_tokens=req.requested_max_tokens,
-        n=req.n,
+        n=req.num_choices,
         max_model_len=model.max_model_len,
         determinism=req.determinism,
         is_seeded=req.seed is not None,
@@ -193,7 +208,7 @@ async def _decide(
         v = decision.violation
         raise PolicyViolation(v.message, status=v.status, code=v.code, param=v.param)
     _check_mode_available(model.modes, model.bi_error, decision.determinism, req.determinism)
-    return prompt_ids, decision
+    return prompts, decision
 
 
 def described_fields(req: ChatCompletionRequest | CompletionRequest, policy: Policy) -> dict[str, Any]:
@@ -309,24 +324,24 @@ async def admit(
         if target is None:  # an upstream pool has no place to give: its servers queue or answer 503
             # After the tenant's own limits (over them, the answer is its 429); taken once reserved.
             place = rt.overload.claim(principal.tenant_id or "", policy.share)
-        prompt_ids, decision = await _decide(rt, principal, policy, req, target)
+        prompts, decision = await _decide(rt, principal, policy, req, target)
         if target is None:  # an upstream compiles its own constraints
             await check_compiles(rt.engine.tokenizer, found)
         tokenizer = rt.engine.tokenizer if target is None else target.tokenizer
         params = sampling_params(req, decision, len(tokenizer), found.structured)
-        fields = _admitted_fields(request_id, principal, req.model, len(prompt_ids), decision)
+        fields = _admitted_fields(request_id, principal, req.model, sum(map(len, prompts)), decision)
         fields |= described
         features = list(found.features)
         if isinstance(req, ChatCompletionRequest):
             features += template_features(req)  # names only: a replay of it needs its body
         if features:
             fields["features"] = features
-        fields["prompt_hash"] = prompt_hash = rt.prompt_hash(prompt_ids)
+        fields["prompt_hash"] = prompt_hash = rt.prompts_hash(prompts)
         # Everything the admission holds is made before the reservation: nothing can fail between it and
         # the Admission that settles it (a reservation no one settles would hold its tenant's slot).
         namespace = _namespace(decision, principal, req.cache_salt)
         upstream = None if target is None else prepare(
-            target, req, kind, decision.max_tokens, namespace, prompt_ids, rt.salt_key,
+            target, req, kind, decision.max_tokens, namespace, prompts[0], rt.salt_key,
             policy.allow_shared_upstream_cache)
         fingerprint = None if target is not None else rt.engine.determinism.fingerprints[decision.determinism]
         share = None if target is not None else _share(rt, principal, policy)
@@ -340,7 +355,7 @@ async def admit(
             place.give(is_finished=False)
         raise
     return Admission(
-        request_id, kind, principal, req.model, prompt_ids, params, namespace, decision.priority, reservation,
+        request_id, kind, principal, req.model, prompts, params, namespace, decision.priority, reservation,
         info.headers(), int(time.time()),
         retain_days=retain_days,
         retained_prompt=retained,

@@ -51,7 +51,7 @@ class Backend:
 
 
 def _start(rt: Runtime, adm: Admission) -> AsyncGenerator[Any, None]:
-    return rt.engine.submit(EngineRequest(adm.request_id, adm.prompt_token_ids, adm.params,
+    return rt.engine.submit(EngineRequest(adm.request_id, adm.engine_prompt, adm.params,
                                           adm.cache_namespace, adm.priority, adm.share))
 
 
@@ -135,8 +135,11 @@ def _chunks(
     read through its call parser, one chunk per step (``fmt.tool_delta_choices``)."""
     choices = []
     for o in out.outputs:
-        if not o.new_token_ids and not o.new_text and o.finish_reason is None:
+        is_quiet = not o.new_token_ids and not o.new_text and o.finish_reason is None
+        if is_quiet or o.index in progress.finished:
             continue
+        if o.finish_reason is not None:
+            progress.finished.add(o.index)
         prev = progress.num_tokens.get(o.index, 0)
         choice = fmt.delta_choice(adm.kind, o, prev, text_of, progress.num_chars.get(o.index, 0))
         if parsers is not None:
@@ -182,7 +185,7 @@ async def _stream(
     """The SSE chunks; the reply's ``finish`` settles the request once they end, however they end."""
     try:
         if adm.kind == "chat":
-            roles = [fmt.role_choice(i) for i in range(adm.params.n)]
+            roles = [fmt.role_choice(i) for i in range(adm.num_choices)]
             yield fmt.sse(_chunk(adm, roles, include_usage))
         parsers: dict[int, CallParser] | None = {} if adm.tools is not None else None
         outs = [first] if first is not None else []

@@ -62,18 +62,21 @@ def chat_token_ids(
 
 def text_token_ids(
     tokenizer: Any, req: CompletionRequest, *, allow_special_tokens: bool = False
-) -> list[int]:
-    """The prompt token ids of a text completion: given ids as they are; text with the tokenizer's added
-    special tokens (a BOS), its own special-token strings as text unless ``allow_special_tokens``."""
-    prompt = req.prompt
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+) -> list[list[int]]:
+    """The token ids of each prompt of a text completion (``req.prompts``): given ids as they are; text
+    with the tokenizer's added special tokens (a BOS), its own special-token strings as text unless
+    ``allow_special_tokens``."""
+    return [_text_prompt_ids(tokenizer, p, allow_special_tokens) for p in req.prompts]
+
+
+def _text_prompt_ids(tokenizer: Any, prompt: str | list[int], allow_special_tokens: bool) -> list[int]:
+    if isinstance(prompt, list):
         if max(prompt) >= len(tokenizer):
             raise InvalidRequest("prompt contains a token id outside the vocabulary.", param="prompt")
         return list(prompt)
-    text = prompt[0] if isinstance(prompt, list) else prompt
     if allow_special_tokens:
-        return encode(tokenizer, text, add_special_tokens=True)
-    return control_tokens(tokenizer).encode_text(text, add_special_tokens=True)
+        return encode(tokenizer, prompt, add_special_tokens=True)
+    return control_tokens(tokenizer).encode_text(prompt, add_special_tokens=True)
 
 
 def _utf8_len(text: str) -> int:
@@ -84,10 +87,7 @@ def _prompt_texts(req: ChatCompletionRequest | CompletionRequest) -> list[str]:
     """The text the tokenizer would be given (a chat's before its template); none for token ids."""
     if isinstance(req, ChatCompletionRequest):
         return [m.text() for m in req.messages]
-    prompt = req.prompt
-    if isinstance(prompt, str):
-        return [prompt]
-    return [prompt[0]] if isinstance(prompt[0], str) else []
+    return [p for p in req.prompts if isinstance(p, str)]
 
 
 @functools.lru_cache(maxsize=8)
@@ -114,8 +114,12 @@ def check_prompt_bytes(
 ) -> None:
     """Refuse, without tokenizing it, a prompt whose text cannot fit in ``max_num_tokens`` tokens of at
     most ``bytes_per_token`` bytes each: a 400 ``context_length_exceeded`` like the one a too long
-    tokenized prompt gets. Token-id prompts are not tokenized and pass."""
-    num_bytes = sum(_utf8_len(t) for t in _prompt_texts(req))
+    tokenized prompt gets. Token-id prompts are not tokenized and pass. A chat's messages make one
+    prompt; each of a text completion's prompts is one."""
+    texts = _prompt_texts(req)
+    sizes = [sum(_utf8_len(t) for t in texts)] if isinstance(req, ChatCompletionRequest) else [
+        _utf8_len(t) for t in texts]
+    num_bytes = max(sizes, default=0)
     cap = max_num_tokens * bytes_per_token
     if num_bytes > cap:
         raise PolicyViolation(
@@ -137,10 +141,7 @@ def _tool_chars(req: ChatCompletionRequest) -> int:
 def _prompt_chars(req: ChatCompletionRequest | CompletionRequest) -> int:
     if isinstance(req, ChatCompletionRequest):
         return sum(len(m.text()) for m in req.messages) + _tool_chars(req)
-    prompt = req.prompt
-    if isinstance(prompt, str):
-        return len(prompt)
-    return len(prompt[0]) if isinstance(prompt[0], str) else len(prompt) * 8
+    return sum(len(p) if isinstance(p, str) else len(p) * 8 for p in req.prompts)
 
 
 class TokenizePool:
@@ -190,19 +191,22 @@ async def tokenize(
     pool: TokenizePool | None = None,
     *,
     allow_special_tokens: bool = False,
-) -> list[int]:
-    """The request's prompt ids; a chat's through ``segments`` (under ``namespace``) when given. A long
-    prompt is tokenized off the event loop: on ``pool``, or on a fresh thread without one (tools).
-    Special-token strings in the caller's text are text unless ``allow_special_tokens``."""
+) -> list[list[int]]:
+    """The request's prompt ids, one list per prompt (a chat has one); a chat's through ``segments``
+    (under ``namespace``) when given. Long prompts are tokenized off the event loop: on ``pool``, or on a
+    fresh thread without one (tools). Special-token strings in the caller's text are text unless
+    ``allow_special_tokens``."""
+    fn: Callable[[], list[list[int]]]
     if isinstance(req, ChatCompletionRequest):
-        fn = functools.partial(chat_token_ids, tokenizer, req, segments, namespace,
-                               allow_special_tokens=allow_special_tokens)
+        chat = functools.partial(chat_token_ids, tokenizer, req, segments, namespace,
+                                 allow_special_tokens=allow_special_tokens)
+        fn = lambda: [chat()]  # noqa: E731
     else:
         fn = functools.partial(text_token_ids, tokenizer, req, allow_special_tokens=allow_special_tokens)
     if _prompt_chars(req) <= INLINE_TOKENIZE_CHARS:
-        ids = fn()
+        prompts = fn()
     else:
-        ids = await (asyncio.to_thread(fn) if pool is None else pool.run(fn))
-    if not ids:
+        prompts = await (asyncio.to_thread(fn) if pool is None else pool.run(fn))
+    if not all(prompts):
         raise InvalidRequest("The prompt is empty.", param="prompt")
-    return ids
+    return prompts

@@ -31,12 +31,13 @@ SETTLE_PAUSE_S = (0.25, 5.0)
 class Progress:
     """What the engine has produced so far, so an abort still settles real usage."""
 
-    __slots__ = ("last", "num_tokens", "num_chars", "is_done")
+    __slots__ = ("last", "num_tokens", "num_chars", "finished", "is_done")
 
     def __init__(self) -> None:
         self.last: Any = None
         self.num_tokens: dict[int, int] = {}
         self.num_chars: dict[int, int] = {}
+        self.finished: set[int] = set()  # choices whose end a stream has sent (later outputs repeat it)
         self.is_done = False
 
     def usage(self, adm: Admission) -> tuple[int, int, int]:
@@ -45,7 +46,7 @@ class Progress:
             return reported
         num_completion = 0 if self.last is None else sum(len(o.token_ids) for o in self.last.outputs)
         num_cached = 0 if self.last is None else self.last.num_cached_tokens
-        return len(adm.prompt_token_ids), num_completion, num_cached
+        return adm.num_prompt_tokens, num_completion, num_cached
 
 
 async def _maybe_retain(rt: Runtime, adm: Admission, last: Any) -> None:

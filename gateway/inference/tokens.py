@@ -89,7 +89,7 @@ async def tokenize(rt: Runtime, principal: Principal, req: TokenizeRequest) -> d
     model = rt.engine if target is None else target
     segments = rt.segments if target is None else target.segments
     with turn(principal.tenant_id or ""):
-        ids = await prompt_token_ids(rt, principal, policy, body, model, segments)
+        [ids] = await prompt_token_ids(rt, principal, policy, body, model, segments)
     return {"count": len(ids), "max_model_len": model.max_model_len, "tokens": ids}
 
 

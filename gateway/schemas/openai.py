@@ -5,7 +5,15 @@ from __future__ import annotations
 from typing import Annotated, Any, ClassVar, Literal
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from gateway.schemas.chat_template import ChatTemplateFields
 from gateway.schemas.openai_tools import (
@@ -179,6 +187,11 @@ class SamplingFields(_Strict):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    @property
+    def num_choices(self) -> int:
+        """The choices of the reply (a text completion's prompts times ``n``)."""
+        return self.n
+
 
 _MetadataKey = Annotated[str, Field(min_length=1, max_length=64)]
 _MetadataValue = Annotated[str, Field(max_length=512)]
@@ -238,15 +251,48 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
 
 
 _TokenIds = Annotated[list[Annotated[int, Field(ge=0, lt=2**31)]], Field(min_length=1, max_length=1_000_000)]
+MAX_CHOICES = 8  # a text completion's prompts times n: its rows in the engine, as n alone allows
+_Prompts = Annotated[list[_Str], Field(min_length=1)] | Annotated[list[_TokenIds], Field(min_length=1)]
 
 
 class CompletionRequest(SamplingFields):
-    prompt: _Str | _TokenIds | Annotated[list[_Str], Field(min_length=1, max_length=1)]
+    """A text completion. ``prompt`` is a string, token ids, or a list of either (vLLM's batch: choice
+    ``prompt_index * n + i`` is the ``i``-th of prompt ``prompt_index``), at most 8 choices in all."""
+
+    prompt: _Str | _TokenIds | _Prompts
     max_tokens: int | None = Field(default=16, ge=1)
-    logprobs: int | None = Field(default=None, ge=0, le=5)
+    logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: Literal[False] = False
     suffix: None = None
     best_of: Literal[1] | None = None
+
+    @field_validator("prompt", mode="wrap")
+    @classmethod
+    def _check_prompt(cls, value: Any, handler: Any, info: ValidationInfo) -> Any:
+        # One message naming the field, not one per member of the union (whose tags end up in ``param``).
+        try:
+            prompt = handler(value)
+        except ValidationError:
+            raise ValueError("prompt must be a string, a list of token ids (0 to 2**31 - 1), or a non-empty "
+                             "list of either") from None
+        num_prompts = len(prompt) if isinstance(prompt, list) and isinstance(prompt[0], str | list) else 1
+        n = info.data.get("n", 1)
+        if num_prompts * n > MAX_CHOICES:
+            raise ValueError(f"{num_prompts} prompts of n={n} choices each make {num_prompts * n} choices; "
+                             f"at most {MAX_CHOICES} are allowed")
+        return prompt
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """Each prompt: one, or those of a list."""
+        prompt = self.prompt
+        if isinstance(prompt, str) or isinstance(prompt[0], int):
+            return [prompt]  # type: ignore[list-item]
+        return list(prompt)  # type: ignore[arg-type]
+
+    @property
+    def num_choices(self) -> int:
+        return len(self.prompts) * self.n
 
     @property
     def requested_max_tokens(self) -> int | None:

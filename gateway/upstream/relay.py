@@ -78,7 +78,7 @@ class Relay:
         self.last = progress.last = UpstreamOutput()
         self.prefix = "chatcmpl-" if adm.kind == "chat" else "cmpl-"
         self.started = time.monotonic()
-        self.num_choices, self.max_tokens = adm.params.n, adm.params.max_tokens
+        self.num_choices, self.max_tokens = adm.num_choices, adm.params.max_tokens
         self.num_chunks_left = self.num_choices * (self.max_tokens + EXTRA_CHUNKS) + EXTRA_CHUNKS
 
     def chunk(self, data: dict[str, Any]) -> bytes | None:
@@ -127,7 +127,7 @@ class Relay:
     def _record_usage(self, usage: dict[str, Any]) -> None:
         """The upstream's count, never over what the request could have cost: its prompt as this gateway
         counted it, ``max_tokens`` per choice."""
-        ours = len(self.adm.prompt_token_ids)
+        ours = self.adm.num_prompt_tokens
         theirs = _count(usage.get("prompt_tokens"), 1 << 62)
         if abs(theirs - ours) > 0.01 * ours:  # a tokenizer or template that is not the upstream's
             log.warning("upstream.usage_disagrees", request_id=self.adm.request_id, model=self.adm.model,
@@ -146,4 +146,4 @@ class Relay:
             encode, cap = target.tokenizer.encode, self.max_tokens * MAX_CHARS_PER_TOKEN
             done = sum(min(len(encode(c.text[:cap], add_special_tokens=False)), self.max_tokens)
                        for c in self.last.outputs)
-            self.last.usage = (len(self.adm.prompt_token_ids), done, 0)
+            self.last.usage = (self.adm.num_prompt_tokens, done, 0)

@@ -106,8 +106,8 @@ def test_a_text_prompt_is_text(tokenizer):
     text = "<|im_start|>user\nraw<|im_end|>"
     req = CompletionRequest(model="m", prompt=text)
     as_text = _ids(tokenizer, text, as_text=True, add_special_tokens=True)
-    assert text_token_ids(tokenizer, req) == as_text
-    trusted = text_token_ids(tokenizer, req, allow_special_tokens=True)
+    assert text_token_ids(tokenizer, req) == [as_text]
+    [trusted] = text_token_ids(tokenizer, req, allow_special_tokens=True)
     assert trusted == _ids(tokenizer, text, add_special_tokens=True)
     assert len(trusted) < len(as_text)
 

@@ -130,19 +130,37 @@ async def test_fast_and_unknown_records_cannot_replay(
     assert res.exit_code == 2 and "no finished request" in res.output, res.output
 
 
-async def test_token_id_prompt_replays(gw: Gateway, tiny_model_dir: Path, tmp_path: Path) -> None:
-    h = await tenant_headers(gw)
-    ids = [101, 2000, 345, 77, 9]
-    body = {"model": gw.runtime.engine.model_name, "prompt": ids, "max_tokens": 4, "seed": 5}
-    r = await gw.client.post("/v1/completions", headers=h, json=body | {"determinism": "batch_invariant"})
+async def _replay_json_prompt(gw: Gateway, tiny_model_dir: Path, tmp_path: Path,
+                              body: dict) -> tuple[str, Path, Result]:
+    """Send a text ``body``, then replay it with its prompt as JSON in a --prompt-file (--token-ids)."""
+    r = await gw.client.post("/v1/completions", headers=await tenant_headers(gw), json=body)
     assert r.status_code == 200, r.text
-    prompt_file = tmp_path / "ids.json"
-    prompt_file.write_text(json.dumps(ids))
+    prompt_file = tmp_path / "prompt.json"
+    prompt_file.write_text(json.dumps(body["prompt"]))
     request_id = r.json()["id"].removeprefix("cmpl-")
     res = await _replay(gw, tiny_model_dir, request_id, "--prompt-file", str(prompt_file), "--token-ids")
+    return request_id, prompt_file, res
+
+
+async def test_token_id_prompt_replays(gw: Gateway, tiny_model_dir: Path, tmp_path: Path) -> None:
+    body = {"model": gw.runtime.engine.model_name, "prompt": [101, 2000, 345, 77, 9], "max_tokens": 4,
+            "seed": 5, "determinism": "batch_invariant"}
+    request_id, prompt_file, res = await _replay_json_prompt(gw, tiny_model_dir, tmp_path, body)
     assert res.exit_code == 0 and "REPLAY MATCHES" in res.output, res.output
     res = await _replay(gw, tiny_model_dir, request_id, "--prompt-file", str(prompt_file))  # read as text
     assert res.exit_code == 3, res.output
+
+
+async def test_several_prompts_replay(gw: Gateway, tiny_model_dir: Path, tmp_path: Path) -> None:
+    prompts = ["rivers of the north", "three lakes"]
+    body = {"model": gw.runtime.engine.model_name, "prompt": prompts, "n": 2, "max_tokens": 4,
+            "temperature": 0.9, "determinism": "batch_invariant"}
+    request_id, prompt_file, res = await _replay_json_prompt(gw, tiny_model_dir, tmp_path, body)
+    assert res.exit_code == 0 and "REPLAY MATCHES" in res.output, res.output
+    assert res.output.count("token hash matches") == 4
+    prompt_file.write_text(json.dumps(prompts[::-1]))  # the same prompts in another order: other choices
+    res = await _replay(gw, tiny_model_dir, request_id, "--prompt-file", str(prompt_file), "--token-ids")
+    assert res.exit_code == 3 and "prompt: DIFFERS" in res.output, res.output
 
 
 WEATHER = {"type": "function", "function": {
