@@ -32,7 +32,8 @@ _HELP = "\n\n".join(
         "Give the prompt exactly as sent: --prompt-file for /v1/completions (the file's bytes as UTF-8, "
         "a trailing newline included; with --token-ids JSON: an array of token ids, or of several "
         "prompts), --messages-file for /v1/chat/completions (a JSON list of messages, or a request body "
-        'with "messages"); the chat '
+        'with "messages") and for /v1/responses (its request body; one that continued a stored response '
+        "takes that conversation as chat messages, and its body with --request-file); the chat "
         "template is applied exactly as the gateway does. A request with a structured output "
         "(response_format, guided_*), tools or chat template fields (add_generation_prompt, ...) needs "
         "its request body as sent, with --request-file (a chat's "
@@ -166,6 +167,10 @@ def _read_request(
     try:
         if receipt.kind == "chat":
             data = _read(given, as_json=True)
+            sent = data if isinstance(data, dict) and "input" in data else body
+            if isinstance(sent, dict) and "input" in sent:  # a Responses API request, as sent
+                earlier = data if isinstance(data, list) else []
+                return _responses_chat(sent | {"model": receipt.model}, earlier)
             messages = data.get("messages") if isinstance(data, dict) else data
             if isinstance(data, dict) and request_file is None:
                 body = data
@@ -176,6 +181,30 @@ def _read_request(
     except (ValidationError, TypeError) as e:
         detail = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise ReplayError(f"cannot read the request from {request_file or given}: {detail}") from None
+
+
+def _responses_chat(body: dict[str, Any], earlier: list[Any]) -> Any:
+    """The chat completion a Responses API request ran as (``gateway.inference.responses.to_chat``),
+    after the ``earlier`` conversation it continued, if any.
+
+    Raises:
+        ReplayError: It continued a stored response (``previous_response_id``) and ``earlier`` is empty:
+            that conversation is kept sealed, readable only through the audited retention API, so replay
+            takes it as chat messages in the --messages-file.
+    """
+    from gateway.errors import InvalidRequest
+    from gateway.inference.responses import to_chat
+    from gateway.schemas.responses_api import ResponsesRequest
+
+    req = ResponsesRequest.model_validate(body)
+    if req.previous_response_id is not None and not earlier:
+        raise ReplayError("the request continued a stored response (previous_response_id): give the "
+                          "conversation it continued (its turns and replies, as chat messages) with "
+                          "--messages-file and this request's body with --request-file")
+    try:
+        return to_chat(req, earlier, 0)
+    except InvalidRequest as e:
+        raise ReplayError(f"cannot read the Responses request: {e.message}") from None
 
 
 def _check_template_body(record: _Record, has_body: bool) -> None:

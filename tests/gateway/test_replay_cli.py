@@ -326,3 +326,49 @@ async def test_a_version_1_receipt_of_a_request_with_unrecorded_parameters_canno
     prompt_file.write_text("biased, long ago")
     res = await _replay(gw, tiny_model_dir, old_id, "--prompt-file", str(prompt_file))
     assert res.exit_code == 2 and "the request used logit_bias" in res.output, res.output
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_a_responses_request_replays_from_its_body(gw: Gateway, tiny_model_dir: Path, tmp_path: Path,
+                                                       mode: str) -> None:
+    h = await tenant_headers(gw)
+    body = {"model": gw.runtime.engine.model_name, "input": f"replay a response in {mode}",
+            "instructions": "be brief", "max_output_tokens": 6, "temperature": 0.8, "determinism": mode}
+    r = await gw.client.post("/v1/responses", headers=h, json=body)
+    assert r.status_code == 200, r.text
+    body_file = tmp_path / "body.json"
+    body_file.write_text(json.dumps(body))
+    request_id = r.json()["id"].removeprefix("resp_")
+    res = await _replay(gw, tiny_model_dir, request_id, "--messages-file", str(body_file))
+    assert res.exit_code == 0 and "REPLAY MATCHES" in res.output, res.output
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps(body | {"instructions": "be long"}))
+    res = await _replay(gw, tiny_model_dir, request_id, "--messages-file", str(other))
+    assert res.exit_code != 0 and "REPLAY MATCHES" not in res.output, res.output
+
+
+async def test_a_response_that_continued_another_replays_from_the_conversation(
+        gw: Gateway, tiny_model_dir: Path, tmp_path: Path) -> None:
+    from policies import Policy
+
+    _, key = await gw.make_tenant(policy=Policy(prompt_retention_days=1))
+    h = {"Authorization": f"Bearer {key}"}
+    model = gw.runtime.engine.model_name
+    first = (await gw.client.post("/v1/responses", headers=h, json={
+        "model": model, "input": "first turn", "max_output_tokens": 4})).json()
+    body = {"model": model, "input": "second turn", "previous_response_id": first["id"],
+            "max_output_tokens": 4, "determinism": "batch_invariant"}
+    r = await gw.client.post("/v1/responses", headers=h, json=body)
+    assert r.status_code == 200, r.text
+    request_id = r.json()["id"].removeprefix("resp_")
+    body_file = tmp_path / "body.json"
+    body_file.write_text(json.dumps(body))
+    res = await _replay(gw, tiny_model_dir, request_id, "--messages-file", str(body_file))
+    assert res.exit_code == 2 and "previous_response_id" in res.output, res.output
+    reply = first["output"][0]["content"][0]["text"]
+    conversation = tmp_path / "conversation.json"
+    conversation.write_text(json.dumps([{"role": "user", "content": "first turn"},
+                                        {"role": "assistant", "content": reply}]))
+    res = await _replay(gw, tiny_model_dir, request_id, "--messages-file", str(conversation),
+                        "--request-file", str(body_file))
+    assert res.exit_code == 0 and "REPLAY MATCHES" in res.output, res.output
