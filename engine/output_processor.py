@@ -39,8 +39,9 @@ class RequestState:
         self.params = params
         self.seqs = seqs
         self.eos = () if params.ignore_eos else eos_token_ids
-        self.samples = [_SampleText(IncrementalDetokenizer(tokenizer, prompts[s.sample_index // params.n],
-                                                           params.skip_special_tokens)) for s in seqs]
+        self.samples = [_SampleText(IncrementalDetokenizer(
+            tokenizer, prompts[s.sample_index // params.n], params.skip_special_tokens,
+            params.spaces_between_special_tokens)) for s in seqs]
         self._max_stop = max((len(s) for s in params.stop), default=0)
         self._is_first = True  # the first delta carries the prompt's ids
 

@@ -50,6 +50,9 @@ class SamplingParams:
             token that would have is kept in ``token_ids``, as with ``ignore_eos``).
         logprobs: Return the top-N log-probabilities per generated token (0 = only the chosen one).
         skip_special_tokens: Leave special tokens out of ``text``.
+        spaces_between_special_tokens: ``True``: a space between each added (special) token and the text
+            beside it in ``text``, as vLLM and Hugging Face write them with a Python tokenizer; ``False``
+            or ``None`` (as the tokenizer decodes, vLLM's with a fast tokenizer): none.
         include_stop_str_in_output: A ``stop`` string that ends the text stays in it (at its end).
         allowed_token_ids: Sample only among these token ids (1 to ``MAX_ALLOWED_TOKEN_IDS``; ids past
             the model's vocabulary are refused when the request is added).
@@ -76,6 +79,7 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool | None = None
     include_stop_str_in_output: bool = False
     allowed_token_ids: list[int] | None = None
     determinism: str | None = None
@@ -119,6 +123,8 @@ class SamplingParams:
                    and all(_is_int(t) and t >= 0 for t in ids),
                    f"allowed_token_ids must be 1 to {MAX_ALLOWED_TOKEN_IDS} non-negative integers")
             self.allowed_token_ids = list(ids)
+        _check(self.spaces_between_special_tokens in (None, True, False),
+               "spaces_between_special_tokens must be a boolean or None")
         _check(self.determinism is None or self.determinism in _MODES,
                f"determinism must be one of {_MODES}, got {self.determinism!r}")
         self._check_penalties()

@@ -46,8 +46,8 @@ class Backend:
     settle through ``settlement.finish`` with a ``Progress``, so admission, quota, audit and settlement
     are one code path whatever generates."""
 
-    run_whole: Callable[[Runtime, Admission], Awaitable[WholeReply]]
-    open_stream: Callable[[Runtime, Admission, bool], Awaitable[StreamReply]]
+    run_whole: Callable[[Runtime, Admission, fmt.ReplyShape], Awaitable[WholeReply]]
+    open_stream: Callable[[Runtime, Admission, fmt.ReplyShape], Awaitable[StreamReply]]
 
 
 def _start(rt: Runtime, adm: Admission) -> AsyncGenerator[Any, None]:
@@ -92,7 +92,7 @@ def engine_error(rt: Runtime, adm: Admission, e: BaseException) -> GatewayError:
     )
 
 
-async def _run_whole(rt: Runtime, adm: Admission) -> WholeReply:
+async def _run_whole(rt: Runtime, adm: Admission, shape: fmt.ReplyShape) -> WholeReply:
     progress = Progress()
     try:
         gen, out = await _first(rt, adm, progress)
@@ -116,7 +116,7 @@ async def _run_whole(rt: Runtime, adm: Admission) -> WholeReply:
         adm.model,
         last.outputs,
         usage,
-        rt.token_text,
+        shape.text_of(rt.token_text),
         system_fingerprint=last.system_fingerprint,
         tools=adm.tools,
     )
@@ -127,12 +127,13 @@ def _chunks(
     adm: Admission,
     out: Any,
     progress: Progress,
-    include_usage: bool,
+    shape: fmt.ReplyShape,
     text_of: fmt.TokenText,
     parsers: dict[int, CallParser] | None = None,
 ) -> list[bytes]:
     """The SSE chunks of one engine output; with ``parsers`` (a chat with tools), each choice's text is
-    read through its call parser, one chunk per step (``fmt.tool_delta_choices``)."""
+    read through its call parser, one chunk per step (``fmt.tool_delta_choices``). With continuous usage
+    each carries the usage so far."""
     choices = []
     for o in out.outputs:
         is_quiet = not o.new_token_ids and not o.new_text and o.finish_reason is None
@@ -152,12 +153,13 @@ def _chunks(
         # text lags the tokens while a stop string may be forming, so it is no measure of that.
         lp = choice["logprobs"]
         if adm.kind == "text" and lp is not None and lp["tokens"]:
-            progress.num_chars[o.index] = lp["text_offset"][-1] + len(lp["tokens"][-1])
+            progress.num_chars[o.index] = lp["text_offset"][-1] + len(text_of.text(o.logprobs[-1].token_id))
     if not choices:
         return []
+    usage = fmt.usage_dict(*progress.usage(adm)) if shape.is_usage_continuous else None
     if parsers is not None:
-        return [fmt.sse(_chunk(adm, c, include_usage)) for c in choices]
-    return [fmt.sse(_chunk(adm, [c[0] for c in choices], include_usage))]
+        return [fmt.sse(_chunk(adm, c, shape.include_usage, usage)) for c in choices]
+    return [fmt.sse(_chunk(adm, [c[0] for c in choices], shape.include_usage, usage))]
 
 
 def _chunk(adm: Admission, choices: list[dict[str, Any]], include_usage: bool, usage: Any = None) -> dict:
@@ -180,24 +182,26 @@ async def _stream(
     gen: AsyncGenerator[Any, None],
     first: Any,
     progress: Progress,
-    include_usage: bool,
+    shape: fmt.ReplyShape,
 ) -> AsyncGenerator[bytes, None]:
     """The SSE chunks; the reply's ``finish`` settles the request once they end, however they end."""
+    text_of = shape.text_of(rt.token_text)
     try:
         if adm.kind == "chat":
             roles = [fmt.role_choice(i) for i in range(adm.num_choices)]
-            yield fmt.sse(_chunk(adm, roles, include_usage))
+            usage = fmt.usage_dict(*progress.usage(adm)) if shape.is_usage_continuous else None
+            yield fmt.sse(_chunk(adm, roles, shape.include_usage, usage))
         parsers: dict[int, CallParser] | None = {} if adm.tools is not None else None
         outs = [first] if first is not None else []
         for out in outs:
-            for data in _chunks(adm, out, progress, include_usage, rt.token_text, parsers):
+            for data in _chunks(adm, out, progress, shape, text_of, parsers):
                 yield data
         if first is not None and not first.finished:
             async for out in gen:
                 progress.last, progress.is_done = out, out.finished
-                for data in _chunks(adm, out, progress, include_usage, rt.token_text, parsers):
+                for data in _chunks(adm, out, progress, shape, text_of, parsers):
                     yield data
-        if include_usage:
+        if shape.include_usage:
             usage = fmt.usage_dict(*progress.usage(adm))
             yield fmt.sse(_chunk(adm, [], True, usage))
         yield fmt.SSE_DONE
@@ -277,7 +281,8 @@ async def run(rt: Runtime, req: ChatCompletionRequest | CompletionRequest, adm: 
     connection's ``receive``, a whole response's generation, or a stream's before its head is sent, is
     aborted (and settled) when its client leaves: ``None`` then."""
     backend = BUILTIN if adm.upstream is None else UPSTREAM
-    work = backend.open_stream(rt, adm, req.include_usage) if req.stream else backend.run_whole(rt, adm)
+    shape = fmt.ReplyShape.of(req)
+    work = backend.open_stream(rt, adm, shape) if req.stream else backend.run_whole(rt, adm, shape)
     # A stream's head waits for its first output: a client that leaves before then has its request
     # aborted now, not when that output comes (its engine place back to the others at once).
     return await work if receive is None else await unless_client_leaves(work, receive)
@@ -303,7 +308,7 @@ async def handle(
     return await run(rt, req, adm, receive)
 
 
-async def _open_stream(rt: Runtime, adm: Admission, include_usage: bool) -> StreamReply:
+async def _open_stream(rt: Runtime, adm: Admission, shape: fmt.ReplyShape) -> StreamReply:
     """A streamed reply from the engine: started, and its first output in, before the head is sent."""
     progress = Progress()
     try:
@@ -314,7 +319,7 @@ async def _open_stream(rt: Runtime, adm: Admission, include_usage: bool) -> Stre
         raise
     headers = adm.headers | {"cache-control": "no-cache", "x-accel-buffering": "no"}
     return StreamReply(
-        _stream(rt, adm, gen, first, progress, include_usage),
+        _stream(rt, adm, gen, first, progress, shape),
         headers,
         lambda: finish(rt, adm, progress),
     )

@@ -2,14 +2,34 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
 from gateway.inference.tool_calls import CallParser, Piece, parse_reply
 from gateway.inference.tools import ToolMode
-from gateway.schemas.openai import RequestKind
+from gateway.schemas.openai import RequestKind, SamplingFields
 from gateway.text.token_text import TokenText
+
+
+@dataclass(frozen=True, slots=True)
+class ReplyShape:
+    """What the client asked of its reply's form, none of which changes a token: a stream's usage at its
+    end (``include_usage``) or in every chunk too (vLLM's ``continuous_usage_stats``), and logprob tokens
+    labelled ``token_id:N`` (vLLM's ``return_tokens_as_token_ids``)."""
+
+    include_usage: bool = False
+    is_usage_continuous: bool = False
+    is_labelled_by_id: bool = False
+
+    @classmethod
+    def of(cls, req: SamplingFields) -> ReplyShape:
+        return cls(req.include_usage, req.is_usage_continuous, req.return_tokens_as_token_ids)
+
+    def text_of(self, token_text: TokenText) -> TokenText:
+        return token_text.labelled_by_id() if self.is_labelled_by_id else token_text
+
 
 # Engine "abort" only happens when we stop the request ourselves; clients only know these two.
 _FINISH = {"stop": "stop", "length": "length", "abort": "stop"}
@@ -40,15 +60,13 @@ def chat_logprobs(entries: list[Any] | None, text_of: TokenText) -> dict[str, An
     if entries is None:
         return None
     content = []
-    for e in entries:
-        token = text_of(e.token_id)
+    for e in entries:  # bytes are the token's own text's, whatever labels it
         top = [
-            {"token": text_of(t), "logprob": lp, "bytes": list(text_of(t).encode())}
+            {"token": text_of(t), "logprob": lp, "bytes": list(text_of.text(t).encode())}
             for t, lp in e.top.items()
         ]
-        content.append(
-            {"token": token, "logprob": e.logprob, "bytes": list(token.encode()), "top_logprobs": top}
-        )
+        content.append({"token": text_of(e.token_id), "logprob": e.logprob,
+                        "bytes": list(text_of.text(e.token_id).encode()), "top_logprobs": top})
     return {"content": content, "refusal": None}
 
 
@@ -56,13 +74,12 @@ def text_logprobs(entries: list[Any] | None, text_of: TokenText, offset: int = 0
     if entries is None:
         return None
     tokens, token_logprobs, tops, offsets = [], [], [], []
-    for e in entries:
-        token = text_of(e.token_id)
-        tokens.append(token)
+    for e in entries:  # offsets count the text, whatever labels the tokens
+        tokens.append(text_of(e.token_id))
         token_logprobs.append(e.logprob)
         tops.append({text_of(t): lp for t, lp in e.top.items()})
         offsets.append(offset)
-        offset += len(token)
+        offset += len(text_of.text(e.token_id))
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
 
 

@@ -63,7 +63,18 @@ class ChatMessage(_Strict):
 
 
 class StreamOptions(_Strict):
-    include_usage: bool = False
+    """A stream's usage: ``include_usage`` (OpenAI's) adds a last chunk with it; ``continuous_usage_stats``
+    (vLLM's) puts the usage so far in every chunk too. Unset, ``include_usage`` is false (OpenAI's
+    default) unless ``continuous_usage_stats`` is true (vLLM's default is true); false with it is a 400."""
+
+    include_usage: bool | None = None
+    continuous_usage_stats: bool = False  # extension
+
+    @model_validator(mode="after")
+    def _check_continuous(self) -> StreamOptions:
+        if self.continuous_usage_stats and self.include_usage is False:
+            raise ValueError("continuous_usage_stats needs include_usage (the usage's last chunk)")
+        return self
 
 
 _Stop = Annotated[str, Field(min_length=1, max_length=256)]
@@ -108,6 +119,10 @@ class SamplingFields(_Strict):
             at most 128, each in the vocabulary.
         skip_special_tokens: Leave special tokens out of the text (``true``, the default); ``false`` writes
             them as the tokenizer spells them.
+        spaces_between_special_tokens: ``true``: a space between each special token and the text beside
+            it (vLLM's slow-tokenizer spelling); ``false`` or unset (vLLM's with a fast tokenizer): none.
+        return_tokens_as_token_ids: Label logprob tokens ``token_id:N`` (a token that is part of a UTF-8
+            character has no text of its own); ``bytes`` and ``text_offset`` stay the token's text's.
         include_stop_str_in_output: End the text after the ``stop`` string that ended it, instead of
             before it.
         allowed_token_ids: Sample only among these tokens (1 to 4096 ids, each in the vocabulary); not
@@ -144,6 +159,8 @@ class SamplingFields(_Strict):
     stop_token_ids: Annotated[list[Annotated[int, Field(ge=0, le=2**31 - 1)]],  # extension
                               Field(max_length=MAX_STOP_TOKEN_IDS)] = Field(default_factory=list)
     skip_special_tokens: bool = True  # extension
+    spaces_between_special_tokens: bool | None = None  # extension
+    return_tokens_as_token_ids: bool = False  # extension
     include_stop_str_in_output: bool = False  # extension
     allowed_token_ids: Annotated[list[Annotated[int, Field(ge=0, le=2**31 - 1)]],  # extension
                                  Field(min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS)] | None = None
@@ -185,7 +202,12 @@ class SamplingFields(_Strict):
 
     @property
     def include_usage(self) -> bool:
-        return self.stream_options is not None and self.stream_options.include_usage
+        options = self.stream_options
+        return options is not None and bool(options.include_usage or options.continuous_usage_stats)
+
+    @property
+    def is_usage_continuous(self) -> bool:
+        return self.stream_options is not None and self.stream_options.continuous_usage_stats
 
     @property
     def num_choices(self) -> int:

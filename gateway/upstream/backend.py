@@ -118,11 +118,12 @@ async def _stream(relay: Relay, opened: Opened, target: Target) -> AsyncGenerato
         await opened.close(is_ok=is_ok)
 
 
-async def open_stream(rt: Runtime, adm: Admission, include_usage: bool) -> StreamReply:
-    """A streamed reply: the upstream's chunks as they come; the reply's ``finish`` settles."""
+async def open_stream(rt: Runtime, adm: Admission, shape: fmt.ReplyShape) -> StreamReply:
+    """A streamed reply: the upstream's chunks as they come (with continuous usage, its usage in each;
+    logprob tokens as the upstream labels them, the client's fields relayed); ``finish`` settles."""
     call: UpstreamCall = adm.upstream
     progress = Progress()
-    relay = Relay(rt, adm, progress, include_usage)
+    relay = Relay(rt, adm, progress, shape.include_usage)
     try:
         opened = await _open(rt, call, adm, relay.last, is_stream=True)
         await until_committed(adm)
@@ -133,7 +134,7 @@ async def open_stream(rt: Runtime, adm: Admission, include_usage: bool) -> Strea
     return StreamReply(_stream(relay, opened, call.target), headers, lambda: finish(rt, adm, progress))
 
 
-async def run_whole(rt: Runtime, adm: Admission) -> WholeReply:
+async def run_whole(rt: Runtime, adm: Admission, shape: fmt.ReplyShape) -> WholeReply:
     """A whole reply, gathered from the upstream's stream."""
     progress = Progress()
     relay = Relay(rt, adm, progress, include_usage=True)

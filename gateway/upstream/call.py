@@ -50,12 +50,27 @@ def prepare(target: Target, req: ChatCompletionRequest | CompletionRequest, kind
     affinity = affinity_key(namespace, prompt_ids, route.affinity_blocks)
     body = req.model_dump(mode="json", exclude_unset=True, exclude=_OWN_FIELDS)
     body |= {"model": route.upstream_model or req.model, "max_tokens": max_tokens, "stream": True,
-             "stream_options": {"include_usage": True}}
+             "stream_options": _stream_options(req, route.kind)}
     if route.kind in ("vllm", "kvgate"):
         body["cache_salt"] = salt
     elif route.kind == "llamacpp" and not (route.shared_cache and may_share_cache):
         body["cache_prompt"] = False
     return UpstreamCall(target, _PATHS[kind], body, affinity)
+
+
+def _stream_options(req: ChatCompletionRequest | CompletionRequest, kind: str) -> dict[str, bool]:
+    """Usage always comes back (the settlement needs it); in every chunk where the client asked for it
+    (vLLM's ``continuous_usage_stats``), from the servers that send it.
+
+    Raises:
+        InvalidRequest: Continuous usage from a pool whose servers do not send it.
+    """
+    if not req.is_usage_continuous:
+        return {"include_usage": True}
+    if kind not in ("vllm", "kvgate"):
+        raise InvalidRequest(f"continuous_usage_stats is not available from this model's {kind} servers.",
+                             param="stream_options.continuous_usage_stats")
+    return {"include_usage": True, "continuous_usage_stats": True}
 
 
 def find_target(routes: RouteTable, engine_model: str, model: str) -> Target | None:

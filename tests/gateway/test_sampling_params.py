@@ -14,7 +14,7 @@ from policies import Decision
 ENGINE_ONLY: set[str] = set()
 SENT = dict(n=3, temperature=0.5, top_p=0.8, top_k=7, min_p=0.05, ignore_eos=True, min_tokens=2,
             presence_penalty=0.3, frequency_penalty=0.4, repetition_penalty=1.2, skip_special_tokens=False,
-            include_stop_str_in_output=True)
+            include_stop_str_in_output=True, spaces_between_special_tokens=True)
 
 
 def test_every_engine_parameter_is_sent_decided_or_the_engines_own():
