@@ -16,6 +16,7 @@ from gateway.audit_hook import AuditUnavailableError, DeferredEvent, chain_steps
 from gateway.errors import InvalidRequest, PolicyViolation
 from gateway.inference import retention
 from gateway.inference.chat_template import template_features
+from gateway.inference.legacy_functions import check_relayable
 from gateway.inference.prompt_tokens import (  # kvgate replay and the benchmarks import these from here
     chat_token_ids,
     check_prompt_bytes,
@@ -319,6 +320,7 @@ async def admit(
         register_sensitive(*retention.prompt_texts(req))
         target = find_target(rt.routes, rt.engine.model_name, req.model)
         check_cache_fields(req, policy, target)
+        check_relayable(req, target is not None)
         described = described_fields(req, policy)
         found = constraint(req, policy, principal.tenant_id or "")  # the policy's feature checks: cheap
         if target is None:  # an upstream pool has no place to give: its servers queue or answer 503

@@ -147,15 +147,18 @@ def full_response(
 
 def _message(text: str, reason: str | None, tools: ToolMode | None) -> tuple[dict[str, Any], str | None]:
     """A chat choice's message and finish reason: ``tool_calls`` when the reply called a tool and ended
-    on its own (cut short by ``max_tokens``, it stays ``length``)."""
+    on its own (cut short by ``max_tokens``, it stays ``length``); for OpenAI's deprecated ``functions``,
+    the one call as ``function_call``, and that finish reason."""
     if tools is None:
         return {"role": "assistant", "content": text, "refusal": None}, reason
     content, calls = parse_reply(text, tools)
     message: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}
-    if calls:
+    if calls and tools.legacy:
+        message["function_call"] = calls[0].as_dict()["function"]
+    elif calls:
         message["tool_calls"] = [c.as_dict() for c in calls]
-        if reason == "stop":
-            reason = "tool_calls"
+    if calls and reason == "stop":
+        reason = "function_call" if tools.legacy else "tool_calls"
     return message, reason
 
 
@@ -208,9 +211,12 @@ def role_choice(index: int) -> dict[str, Any]:
     }
 
 
-def _piece_delta(p: Piece) -> dict[str, Any]:
+def _piece_delta(p: Piece, legacy: bool) -> dict[str, Any]:
     if p.content is not None:
         return {"content": p.content}
+    if legacy:  # OpenAI's deprecated shape: the call's name, then its arguments, no id
+        return {"function_call": {"name": p.call.name, "arguments": ""} if p.call is not None
+                else {"arguments": p.arguments}}
     if p.call is not None:  # a call starts: its id and name, then its arguments in fragments
         call = {"index": p.index, "id": p.call.id, "type": "function",
                 "function": {"name": p.call.name, "arguments": ""}}
@@ -223,11 +229,13 @@ def tool_delta_choices(choice: dict[str, Any], new_text: str, parser: CallParser
     through the choice's call ``parser``: content, then each call's id and name, then its arguments."""
     reason = choice["finish_reason"]
     pieces = parser.feed(new_text) + (parser.finish() if reason is not None else [])
-    steps = [{"index": choice["index"], "delta": _piece_delta(p), "logprobs": None, "finish_reason": None}
-             for p in pieces]
+    legacy = parser.mode.legacy
+    steps = [{"index": choice["index"], "delta": _piece_delta(p, legacy), "logprobs": None,
+              "finish_reason": None} for p in pieces]
     if reason is not None or (not steps and choice["logprobs"] is not None):
         steps.append({"index": choice["index"], "delta": {}, "logprobs": None, "finish_reason": None})
     if steps:
         steps[0]["logprobs"] = choice["logprobs"]
-        steps[-1]["finish_reason"] = "tool_calls" if reason == "stop" and parser.num_calls else reason
+        called = "function_call" if legacy else "tool_calls"
+        steps[-1]["finish_reason"] = called if reason == "stop" and parser.num_calls else reason
     return steps

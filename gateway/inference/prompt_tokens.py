@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 
 from gateway.errors import InvalidRequest, PolicyViolation
 from gateway.inference.chat_template import check_continued, template_kwargs
+from gateway.inference.legacy_functions import as_tools
 from gateway.inference.tools import template_input
 from gateway.limits.ratelimit import exceeded
 from gateway.schemas.openai import ChatCompletionRequest, CompletionRequest
@@ -40,6 +41,7 @@ def chat_token_ids(
     template's own markers control tokens (``gateway.text.control_tokens``); with
     ``allow_special_tokens`` (a trusted caller's policy) they are control tokens too."""
     check_continued(req)
+    req = as_tools(req)  # OpenAI's deprecated functions, if any, as the tools they stand for
     messages, extra = template_input(tokenizer, req)  # tools, and earlier calls and results, if any
     extra = template_kwargs(tokenizer, req) | extra  # the caller's variables: text, escaped as the messages
     control = None if allow_special_tokens else control_tokens(tokenizer)
@@ -140,7 +142,7 @@ def _tool_chars(req: ChatCompletionRequest) -> int:
 
 def _prompt_chars(req: ChatCompletionRequest | CompletionRequest) -> int:
     if isinstance(req, ChatCompletionRequest):
-        return sum(len(m.text()) for m in req.messages) + _tool_chars(req)
+        return sum(len(m.text()) for m in req.messages) + _tool_chars(as_tools(req))
     return sum(len(p) if isinstance(p, str) else len(p) * 8 for p in req.prompts)
 
 

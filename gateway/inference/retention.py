@@ -31,6 +31,7 @@ def prompt_texts(req: ChatCompletionRequest | CompletionRequest) -> list[str]:
     """Every piece of user text in the request (what the redactor must never let through)."""
     if isinstance(req, ChatCompletionRequest):
         calls = [c.function.arguments for m in req.messages for c in m.tool_calls or []]
+        calls += [m.function_call.arguments for m in req.messages if m.function_call is not None]
         return [m.text() for m in req.messages] + calls
     prompt = req.prompt
     if isinstance(prompt, str):

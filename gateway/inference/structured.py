@@ -4,6 +4,7 @@ engine's grammar library, off the event loop and within a deadline) before any q
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,6 +15,7 @@ from engine import StructuredOutput, StructuredOutputError
 from engine.errors import EngineUnavailableError
 from engine.grammar.compiler import compiler_for
 from gateway.errors import InvalidRequest, PolicyViolation, ServiceUnavailable
+from gateway.inference.legacy_functions import as_tools, legacy_param, named_as_sent, uses_functions
 from gateway.inference.tools import ToolMode, forcing_schema, parameters, tool_mode
 from gateway.schemas.openai import ChatCompletionRequest, CompletionRequest
 from gateway.schemas.openai_tools import schema_bytes
@@ -101,8 +103,20 @@ def constraint(req: ChatCompletionRequest | CompletionRequest, policy: Policy, c
         InvalidRequest: Two constraints at once, a schema that is no JSON schema, bad tools (400).
         PolicyViolation: A feature the tenant's policy turns off, a schema over its size (400).
     """
+    if not isinstance(req, ChatCompletionRequest):
+        return _constraint(req, None, policy, cache_key)
+    tools_req = as_tools(req)  # its refusals name the deprecated fields already
+    with named_as_sent(req):
+        mode = tool_mode(tools_req)
+        if not uses_functions(req):
+            return _constraint(tools_req, mode, policy, cache_key)
+        found = _constraint(tools_req, mode and dataclasses.replace(mode, legacy=True), policy, cache_key)
+    return dataclasses.replace(found, param=legacy_param(found.param))
+
+
+def _constraint(req: ChatCompletionRequest | CompletionRequest, mode: ToolMode | None, policy: Policy,
+                cache_key: str) -> Constraint:
     sources = _sources(req)
-    mode = tool_mode(req) if isinstance(req, ChatCompletionRequest) else None
     if len(sources) > 1:
         raise InvalidRequest("At most one of response_format (json), guided_json, guided_regex, "
                              "guided_choice and guided_grammar may be given.", param=sources[1][1])
@@ -131,6 +145,8 @@ def requested_output(req: ChatCompletionRequest | CompletionRequest) -> Structur
     Raises:
         InvalidRequest: Bad tools, or a spec the engine refuses.
     """
+    if isinstance(req, ChatCompletionRequest):
+        req = as_tools(req)
     sources = _sources(req)
     mode = tool_mode(req) if isinstance(req, ChatCompletionRequest) else None
     return _engine_constraint(req, mode, sources, "")[0]

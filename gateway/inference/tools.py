@@ -44,6 +44,8 @@ class ToolMode:
         parallel: More than one call may be made.
         strict: The ``parameters`` of each function declared ``strict`` by name: in ``auto``, where no
             grammar holds the arguments, a call of one whose arguments do not match them is no call.
+        legacy: The request came with OpenAI's deprecated ``functions``: its reply carries the call as
+            ``function_call`` (``gateway.inference.legacy_functions``).
     """
 
     kind: Literal["auto", "named", "required"]
@@ -51,6 +53,7 @@ class ToolMode:
     name: str | None = None
     parallel: bool = True
     strict: Mapping[str, dict[str, Any]] = field(default_factory=dict, hash=False, compare=False)
+    legacy: bool = False
 
     @property
     def is_forced(self) -> bool:

@@ -18,9 +18,11 @@ from pydantic import (
 from gateway.schemas.chat_template import ChatTemplateFields
 from gateway.schemas.openai_tools import (
     MAX_TOOLS,
+    LegacyFunctionFields,
     ResponseFormat,
     Tool,
     ToolCall,
+    ToolCallFunction,
     ToolChoice,
     check_schema_shape,
 )
@@ -39,12 +41,13 @@ class TextPart(_Strict):
 
 
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]  # function: deprecated
     content: _Str | list[TextPart] | None = None
     name: str | None = Field(default=None, max_length=256)
     tool_call_id: str | None = Field(default=None, min_length=1, max_length=256)
     tool_calls: Annotated[list[ToolCall], Field(max_length=MAX_TOOLS)] | None = None
     refusal: str | None = Field(default=None, max_length=65_536)  # as a reply's message carries it
+    function_call: ToolCallFunction | None = None  # OpenAI's deprecated form of one tool call
 
     @model_validator(mode="after")
     def _check_tool_fields(self) -> ChatMessage:
@@ -52,6 +55,10 @@ class ChatMessage(_Strict):
             raise ValueError("tool_calls is only allowed on assistant messages")
         if self.role == "tool" and self.tool_call_id is None:
             raise ValueError("a tool message needs the tool_call_id of the call it answers")
+        if self.function_call is not None and (self.role != "assistant" or self.tool_calls is not None):
+            raise ValueError("function_call is only allowed on assistant messages, without tool_calls")
+        if self.role == "function" and not self.name:
+            raise ValueError("a function message needs the name of the function whose result it holds")
         return self
 
     def text(self) -> str:
@@ -221,9 +228,9 @@ _MetadataValue = Annotated[str, Field(max_length=512)]
 Metadata = Annotated[dict[_MetadataKey, _MetadataValue], Field(max_length=16)]
 
 
-class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
-    """A chat completion. Beyond the shared fields and vLLM's chat template fields (``ChatTemplateFields``),
-    OpenAI's that describe the request:
+class ChatCompletionRequest(SamplingFields, ChatTemplateFields, LegacyFunctionFields):
+    """A chat completion. Beyond the shared fields, vLLM's chat template fields (``ChatTemplateFields``) and
+    OpenAI's deprecated function calling (``LegacyFunctionFields``), OpenAI's that describe the request:
 
     Attributes:
         metadata: Up to 16 string pairs (keys up to 64 characters, values up to 512), recorded in the

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 # A JSON schema (or a tool's parameters) is capped before any work that grows with it: at most this many
 # bytes as compact JSON and this deep. A tenant's policy may lower the bytes (``max_schema_bytes``).
@@ -150,3 +150,25 @@ class ToolCall(_Strict):
     id: Annotated[str, Field(min_length=1, max_length=256)]
     type: Literal["function"]
     function: ToolCallFunction
+
+
+class LegacyFunctionFields(_Strict):
+    """OpenAI's deprecated function calling, read as ``tools`` (``gateway.inference.legacy_functions``):
+
+    Attributes:
+        functions: The functions the model may call (``tools`` of type function, one call per reply); not
+            with ``tools``.
+        function_call: ``none``, ``auto`` or ``{"name": ...}``, as ``tool_choice``; the reply carries its
+            call as ``message.function_call`` with finish reason ``function_call``.
+    """
+
+    functions: Annotated[list[FunctionDef], Field(min_length=1, max_length=MAX_TOOLS)] | None = None
+    function_call: Literal["none", "auto"] | NamedFunction | None = None
+
+    @field_validator("function_call", mode="wrap")
+    @classmethod
+    def _check_function_call(cls, value: Any, handler: Any) -> Any:
+        try:  # one message naming the field, not one per member of the union
+            return handler(value)
+        except ValidationError:
+            raise ValueError('function_call must be "none", "auto" or {"name": ...}') from None

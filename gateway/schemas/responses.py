@@ -67,7 +67,7 @@ class TextLogprobs(_Doc):
     text_offset: list[int]
 
 
-FinishReason = Literal["stop", "length", "tool_calls"] | None
+FinishReason = Literal["stop", "length", "tool_calls", "function_call"] | None  # the last: deprecated
 
 
 class FunctionCall(_Doc):
@@ -82,12 +82,14 @@ class MessageToolCall(_Doc):
 
 
 class AssistantMessage(_Doc):
-    """``content`` is null when the reply holds only tool calls."""
+    """``content`` is null when the reply holds only tool calls; ``function_call`` is the call of a
+    request that sent OpenAI's deprecated ``functions``."""
 
     role: Literal["assistant"]
     content: str | None
     refusal: None
     tool_calls: list[MessageToolCall] | None = None
+    function_call: FunctionCall | None = None
 
 
 class ChatChoice(_Doc):
@@ -131,6 +133,7 @@ class ChatDelta(_Doc):
     role: Literal["assistant"] | None = None
     content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
+    function_call: FunctionCallDelta | None = None  # deprecated ``functions``: name, then arguments
 
 
 class ChatChunkChoice(_Doc):

@@ -180,6 +180,8 @@ TOKEN_DECIDING = {
     "regex": {"temperature": 0, "guided_regex": "[a-z]{2,9}"},
     "tools": {"temperature": 0, "tools": [WEATHER],
               "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
+    "functions": {"temperature": 0, "functions": [WEATHER["function"]],
+                  "function_call": {"name": "get_weather"}},
     "continue_final_message": {"temperature": 0, "add_generation_prompt": False,
                                "continue_final_message": True,
                                "messages": [{"role": "user", "content": "Say a colour."},
