@@ -49,11 +49,12 @@ EVENT_FIELDS: dict[str, frozenset[str]] = {
     AUTH_FAILED: frozenset({"kind", "method", "path", "reason", "peer", "num_failures"}),
     # features: the names of the structured-output and tool features used and of the chat template fields
     # set, never a schema, arguments or values.
-    # metadata, user, service_tier, client_request_id: what the caller said of the request, as sent;
-    # api and previous_response_id: a Responses API request, and the stored response it continues.
+    # metadata, user, safety_identifier, service_tier, client_request_id: what the caller said of the
+    # request, as sent; api and previous_response_id: a Responses API request, and the stored response
+    # it continues.
     REQUEST_ADMITTED: frozenset({*_REQUEST_COMMON, "max_tokens", "priority", "num_reserved_tokens",
-                                 "features", "metadata", "user", "service_tier", "client_request_id",
-                                 "api", "previous_response_id"}),
+                                 "features", "metadata", "user", "safety_identifier", "service_tier",
+                                 "client_request_id", "api", "previous_response_id"}),
     REQUEST_REJECTED: frozenset({*_REQUEST_COMMON, "reason", "code", "status", "violations", "status_code"}),
     REQUEST_FINISHED: frozenset({
         *_REQUEST_COMMON, "num_completion_tokens", "num_cached_tokens", "latency_ms", "ttft_ms",

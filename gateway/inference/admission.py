@@ -213,8 +213,9 @@ async def _decide(
 
 
 def described_fields(req: ChatCompletionRequest | CompletionRequest, policy: Policy) -> dict[str, Any]:
-    """What the request says of itself (OpenAI's ``metadata``, ``user``, ``service_tier``; vLLM's
-    ``request_id``), for its ``request.admitted`` event; none of it changes a token.
+    """What the request says of itself (OpenAI's ``metadata``, ``user``, ``safety_identifier``,
+    ``service_tier``; vLLM's ``request_id``), for its ``request.admitted`` event; none of it changes a
+    token.
 
     Raises:
         InvalidRequest: ``store: true`` where the tenant's policy keeps no prompts and completions (400
@@ -225,6 +226,7 @@ def described_fields(req: ChatCompletionRequest | CompletionRequest, policy: Pol
                              "keeps none (its prompt_retention_days is 0).", code="store_unavailable",
                              param="store")
     fields = {"metadata": getattr(req, "metadata", None), "user": req.user,
+              "safety_identifier": getattr(req, "safety_identifier", None),
               "service_tier": getattr(req, "service_tier", None), "client_request_id": req.request_id}
     return {k: v for k, v in fields.items() if v is not None} | getattr(req, "described_extra", {})
 

@@ -56,8 +56,10 @@ def input_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
 def _sampling(req: ResponsesRequest) -> dict[str, Any]:
     fields: dict[str, Any] = {"max_completion_tokens": req.max_output_tokens, "temperature": req.temperature,
                               "top_p": req.top_p, "seed": req.seed, "determinism": req.determinism,
-                              "metadata": req.metadata, "user": req.user or req.safety_identifier,
-                              "service_tier": req.service_tier,
+                              "metadata": req.metadata, "user": req.user,
+                              "safety_identifier": req.safety_identifier, "service_tier": req.service_tier,
+                              "priority": req.priority, "request_id": req.request_id,
+                              "cache_salt": req.cache_salt, "prompt_cache_key": req.prompt_cache_key,
                               "parallel_tool_calls": req.parallel_tool_calls}
     if req.wants_logprobs:
         fields |= {"logprobs": True, "top_logprobs": req.top_logprobs or 0}

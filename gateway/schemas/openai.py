@@ -238,6 +238,9 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields, LegacyFunctionFi
         store: ``false``, or ``true`` where the tenant's policy retains prompts and completions
             (``prompt_retention_days``); ``true`` elsewhere is a 400, since nothing would be stored.
         service_tier: Accepted and recorded; every request is served in the one tier there is.
+        safety_identifier: OpenAI's id of the end user for abuse checks (``user``'s successor); recorded.
+        prompt_cache_key: OpenAI's hint for routing requests that share a prefix; accepted and ignored,
+            since the prefix cache already finds a shared prefix within the tenant's namespace.
     """
 
     # Whether the endpoint keeps its own record of the request where the policy retains prompts (the
@@ -257,6 +260,8 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields, LegacyFunctionFi
     metadata: Metadata | None = None
     store: bool | None = None
     service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
+    safety_identifier: str | None = Field(default=None, max_length=256)
+    prompt_cache_key: str | None = Field(default=None, max_length=256)  # a routing hint: nothing to route
 
     @field_validator("tool_choice", mode="wrap")
     @classmethod

@@ -188,6 +188,10 @@ class ResponsesRequest(_Strict):
     truncation: Literal["disabled"] | None = None
     background: Literal[False] | None = None
     seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)  # extension
+    # vLLM's extensions, as chat completions take them (checked against the tenant's policy there).
+    priority: int | None = Field(default=None, ge=-1000, le=1000)
+    request_id: str | None = Field(default=None, min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:-]+$")
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
     determinism: Determinism | None = None  # extension; validated against the tenant's policy
 
     @model_validator(mode="before")

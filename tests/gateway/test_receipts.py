@@ -169,12 +169,14 @@ async def test_what_a_request_says_of_itself_is_accepted_and_audited(gw: Gateway
     h = await tenant_headers(gw)
     body = {"model": gw.runtime.engine.model_name, "messages": [{"role": "user", "content": "hi"}],
             "max_tokens": 2, "metadata": {"team": "search", "run": "7"}, "user": "u-42",
-            "service_tier": "auto", "store": False, "request_id": "client-req.1", "priority": 7}
+            "service_tier": "auto", "store": False, "request_id": "client-req.1", "priority": 7,
+            "safety_identifier": "hashed-user-42", "prompt_cache_key": "search-v1"}
     r = await gw.client.post("/v1/chat/completions", headers=h, json=body)
     assert r.status_code == 200, r.text
     event = [e for e in await _events(gw, REQUEST_ADMITTED) if e.get("client_request_id") == "client-req.1"]
     assert event and event[0]["metadata"] == {"team": "search", "run": "7"} and event[0]["user"] == "u-42"
     assert event[0]["service_tier"] == "auto" and not r.json()["id"].endswith("client-req.1")
+    assert event[0]["safety_identifier"] == "hashed-user-42" and "prompt_cache_key" not in event[0]
     assert event[0]["priority"] == 7  # after the tenant's other requests: its policy's is 0
     ahead = body | {"priority": -7, "request_id": "x"}
     assert (await gw.client.post("/v1/chat/completions", headers=h, json=ahead)).is_success
@@ -186,6 +188,6 @@ async def test_what_a_request_says_of_itself_is_accepted_and_audited(gw: Gateway
     r = await gw.client.post("/v1/chat/completions", headers=kept, json=body | {"store": True})
     assert r.is_success, r.text
     for bad in ({"metadata": {f"k{i}": "v" for i in range(17)}}, {"metadata": {"k": "v" * 513}},
-                {"request_id": "has space"}, {"service_tier": "gold"}):
+                {"request_id": "has space"}, {"service_tier": "gold"}, {"safety_identifier": "u" * 257}):
         r = await gw.client.post("/v1/chat/completions", headers=h, json=body | bad)
         assert r.status_code == 400 and r.json()["error"]["param"].startswith(next(iter(bad))), r.text
