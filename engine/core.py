@@ -20,7 +20,7 @@ from engine.output_processor import RequestState
 from engine.outputs import RequestDelta, RequestOutput
 from engine.protocol import ENGINE_REQUEST_VERSION, EngineRequest
 from engine.request import RequestStatus, SamplingParams, Sequence
-from engine.request_checks import RESERVED_NS, check_add_args, fitted_length, tokenize_prompts
+from engine.request_checks import RESERVED_NS, check_add_args, fitted_length, tokenize_prompts, truncated
 from engine.runner.model_runner import ModelRunner
 from engine.runner.overlap import SampledStep, StepOverlap
 from engine.runner.setup import LoadedModel, load_model, setup_determinism
@@ -125,7 +125,8 @@ class LLMEngine:
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        prompts = tokenize_prompts(self.tokenizer, prompt, params.n, vocab)
+        prompts = truncated(tokenize_prompts(self.tokenizer, prompt, params.n, vocab),
+                            params.truncate_prompt_tokens, self.max_model_len)
         now = arrival_time if arrival_time is not None else time.monotonic()
         seqs = self._make_seqs(request_id, prompts, params, now, priority=priority,
                                cache_namespace=cache_namespace, mode=mode)

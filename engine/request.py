@@ -54,6 +54,8 @@ class SamplingParams:
             beside it in ``text``, as vLLM and Hugging Face write them with a Python tokenizer; ``False``
             or ``None`` (as the tokenizer decodes, vLLM's with a fast tokenizer): none.
         include_stop_str_in_output: A ``stop`` string that ends the text stays in it (at its end).
+        truncate_prompt_tokens: Run only the prompt's last k tokens (each prompt's); -1 keeps the last
+            ``max_model_len``; more than the context holds is refused when the request is added.
         allowed_token_ids: Sample only among these token ids (1 to ``MAX_ALLOWED_TOKEN_IDS``; ids past
             the model's vocabulary are refused when the request is added).
         determinism: ``fast``, ``fixed`` or ``batch_invariant``; ``None`` takes the engine's default.
@@ -82,6 +84,7 @@ class SamplingParams:
     spaces_between_special_tokens: bool | None = None
     include_stop_str_in_output: bool = False
     allowed_token_ids: list[int] | None = None
+    truncate_prompt_tokens: int | None = None
     determinism: str | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -113,6 +116,15 @@ class SamplingParams:
         _check(isinstance(self.stop, (list, tuple)) and all(isinstance(s, str) and s for s in self.stop),
                "stop must be a non-empty string or a list of non-empty strings")
         self.stop = list(self.stop)
+        self._check_token_fields()
+        _check(self.determinism is None or self.determinism in _MODES,
+               f"determinism must be one of {_MODES}, got {self.determinism!r}")
+        self._check_penalties()
+        _check(self.structured is None or isinstance(self.structured, StructuredOutput),
+               "structured must be a StructuredOutput")
+
+    def _check_token_fields(self) -> None:
+        """The fields that name token ids or say how the prompt and text are made of tokens."""
         _check(isinstance(self.stop_token_ids, (list, tuple)) and all(_is_int(t) and t >= 0
                                                                        for t in self.stop_token_ids),
                "stop_token_ids must be a list of non-negative integers")
@@ -123,13 +135,11 @@ class SamplingParams:
                    and all(_is_int(t) and t >= 0 for t in ids),
                    f"allowed_token_ids must be 1 to {MAX_ALLOWED_TOKEN_IDS} non-negative integers")
             self.allowed_token_ids = list(ids)
+        keep = self.truncate_prompt_tokens
+        _check(keep is None or (_is_int(keep) and (keep == -1 or keep >= 1)),
+               f"truncate_prompt_tokens must be -1 or a positive integer, got {keep!r}")
         _check(self.spaces_between_special_tokens in (None, True, False),
                "spaces_between_special_tokens must be a boolean or None")
-        _check(self.determinism is None or self.determinism in _MODES,
-               f"determinism must be one of {_MODES}, got {self.determinism!r}")
-        self._check_penalties()
-        _check(self.structured is None or isinstance(self.structured, StructuredOutput),
-               "structured must be a StructuredOutput")
 
     def _check_penalties(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):

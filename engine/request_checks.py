@@ -57,6 +57,21 @@ def tokenize_prompts(tokenizer, prompt: str | Seq[int] | Seq[Seq[int]], n: int,
     return [tokenize_prompt(tokenizer, p, vocab_size) for p in prompt]
 
 
+def truncated(prompts: list[list[int]], truncate_prompt_tokens: int | None,
+              max_model_len: int) -> list[list[int]]:
+    """Each prompt's last ``truncate_prompt_tokens`` ids (vLLM's: -1 keeps the last ``max_model_len``).
+
+    Raises:
+        InvalidRequestError: More tokens to keep than the context holds.
+    """
+    keep = max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+    if keep is None:
+        return prompts
+    if keep > max_model_len:
+        raise InvalidRequestError(f"truncate_prompt_tokens is {keep}; the model's context is {max_model_len}")
+    return [ids[-keep:] for ids in prompts]
+
+
 def fitted_length(prompt_ids: list[int], max_tokens: int, max_model_len: int, kv) -> int:
     """The most tokens (prompt + output) the request may reach: ``max_tokens`` past the prompt, capped
     by the context.

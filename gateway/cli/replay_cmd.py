@@ -252,8 +252,9 @@ def _structured(data_dir: Path, receipt: Receipt, request: Any, has_body: bool) 
     return structured
 
 
-def _prompt_ids(settings: Any, request: Any) -> list[list[int]]:
-    """Each prompt's ids, as the gateway made them (a chat has one prompt)."""
+def _prompt_ids(settings: Any, request: Any, keep: int | None) -> list[list[int]]:
+    """Each prompt's ids, as the gateway made them (a chat has one prompt), its last ``keep`` only (the
+    recorded ``truncate_prompt_tokens``)."""
     from engine.runner.loader import load_tokenizer, resolve_model_dir
     from gateway.errors import GatewayError
     from gateway.inference.admission import chat_token_ids, text_token_ids
@@ -262,10 +263,12 @@ def _prompt_ids(settings: Any, request: Any) -> list[list[int]]:
     tokenizer = load_tokenizer(resolve_model_dir(settings.model))
     try:
         if isinstance(request, ChatCompletionRequest):
-            return [chat_token_ids(tokenizer, request)]
-        return text_token_ids(tokenizer, request)
+            prompts = [chat_token_ids(tokenizer, request)]
+        else:
+            prompts = text_token_ids(tokenizer, request)
     except GatewayError as e:
         raise ReplayError(e.message) from None
+    return prompts if keep is None else [ids[-keep:] for ids in prompts]
 
 
 def _is_body(messages_file: Path | None) -> bool:
@@ -371,7 +374,7 @@ def replay_cmd(
         request = _read_request(receipt, prompt_file, messages_file, request_file, token_ids)
         has_body = request_file is not None or (receipt.kind == "chat" and _is_body(messages_file))
         _check_template_body(rec, has_body)
-        prompts = _prompt_ids(settings, request)
+        prompts = _prompt_ids(settings, request, receipt.params.truncate_prompt_tokens)
         num_tokens = sum(map(len, prompts))
         if _prompt_hash(settings.data_dir, prompts) != receipt.prompt_hash:
             typer.echo(f"prompt: DIFFERS from the recorded keyed hash ({num_tokens} tokens); not run")

@@ -25,7 +25,7 @@ from gateway.inference.prompt_tokens import (  # kvgate replay and the benchmark
     tokenize,
     tokenize_pool,
 )
-from gateway.inference.sampling import sampling_params
+from gateway.inference.sampling import prompt_truncation, sampling_params
 from gateway.inference.structured import check_compiles, constraint
 from gateway.inference.tools import ToolMode
 from gateway.limits.overload import EnginePlace
@@ -175,14 +175,18 @@ async def prompt_token_ids(
     model: ServedModel, segments: SegmentCache,
 ) -> list[list[int]]:
     """Each prompt's token ids with ``model``'s tokenizer (the engine, or an upstream ``Target``), after a
-    byte cap that refuses what cannot fit without tokenizing it; long prompts go to the bounded pool."""
+    byte cap that refuses what cannot fit without tokenizing it; long prompts go to the bounded pool.
+    With vLLM's ``truncate_prompt_tokens``, each prompt's last tokens only: what the engine runs and
+    what the policy and quotas count."""
     settings = rt.settings
+    keep = prompt_truncation(req, model.max_model_len)
     bytes_per_token = settings.max_prompt_bytes_per_token or longest_token_bytes(model.tokenizer)
     check_prompt_bytes(req, _max_prompt_tokens(policy, model.max_model_len), bytes_per_token)
     pool = tokenize_pool(settings.tokenize_threads, settings.tokenize_queue)
     sharer = _sharer(policy.prefix_cache_scope, principal)  # tokenized pieces are shared as KV blocks are
-    return await tokenize(model.tokenizer, req, segments, sharer, pool,
-                          allow_special_tokens=policy.allow_special_tokens)
+    prompts = await tokenize(model.tokenizer, req, segments, sharer, pool,
+                             allow_special_tokens=policy.allow_special_tokens)
+    return prompts if keep is None else [ids[-keep:] for ids in prompts]
 
 
 async def _decide(
@@ -331,8 +335,9 @@ async def admit(
         prompts, decision = await _decide(rt, principal, policy, req, target)
         if target is None:  # an upstream compiles its own constraints
             await check_compiles(rt.engine.tokenizer, found)
-        tokenizer = rt.engine.tokenizer if target is None else target.tokenizer
-        params = sampling_params(req, decision, len(tokenizer), found.structured)
+        served: ServedModel = rt.engine if target is None else target
+        params = sampling_params(req, decision, len(served.tokenizer), found.structured,
+                                 max_model_len=served.max_model_len)
         fields = _admitted_fields(request_id, principal, req.model, sum(map(len, prompts)), decision)
         fields |= described
         features = list(found.features)

@@ -15,7 +15,7 @@ from policies import Decision
 # ``SamplingParams`` field that the request has (by name) reaches the engine as sent. So a new plain
 # field (``min_p``) is a request field and a ``SamplingParams`` field, and nothing here.
 DECIDED = frozenset({"max_tokens", "seed", "stop", "logprobs", "determinism", "logit_bias", "structured",
-                     "stop_token_ids", "allowed_token_ids"})
+                     "stop_token_ids", "allowed_token_ids", "truncate_prompt_tokens"})
 AS_SENT = tuple(f.name for f in dataclasses.fields(SamplingParams)
                 if f.name in SamplingFields.model_fields and f.name not in DECIDED)
 
@@ -61,14 +61,34 @@ def _allowed_token_ids(req: ChatCompletionRequest | CompletionRequest, vocab_siz
     return _in_vocabulary(req.allowed_token_ids, vocab_size, "allowed_token_ids")
 
 
+def prompt_truncation(req: ChatCompletionRequest | CompletionRequest, max_model_len: int) -> int | None:
+    """How many of each prompt's last tokens the request keeps (vLLM's ``truncate_prompt_tokens``: -1 is
+    the model's context); ``None``: all of them.
+
+    Raises:
+        InvalidRequest: More than the context holds (400, as vLLM).
+    """
+    keep = req.truncate_prompt_tokens
+    if keep == -1:
+        return max_model_len
+    if keep is not None and keep > max_model_len:
+        raise InvalidRequest(f"truncate_prompt_tokens is {keep}; it cannot be more than the model's "
+                             f"context ({max_model_len} tokens).", code="invalid_value",
+                             param="truncate_prompt_tokens")
+    return keep
+
+
 def sampling_params(
     req: ChatCompletionRequest | CompletionRequest,
     decision: Decision,
     vocab_size: int,
     structured: StructuredOutput | None = None,
+    *,
+    max_model_len: int = 0,
 ) -> SamplingParams:
     """The engine's parameters for ``req`` under its policy's ``decision``; ``structured`` is what its
-    text must match (``gateway.inference.structured``).
+    text must match (``gateway.inference.structured``); ``max_model_len`` the served model's context,
+    which a ``truncate_prompt_tokens`` of -1 keeps (recorded as that count, so a replay keeps as many).
 
     Raises:
         InvalidRequest: ``min_tokens`` over ``max_tokens``, a ``logit_bias``, ``stop_token_ids`` or
@@ -93,6 +113,7 @@ def sampling_params(
             logit_bias=_logit_bias(req, vocab_size),
             stop_token_ids=_in_vocabulary(req.stop_token_ids, vocab_size, "stop_token_ids"),
             allowed_token_ids=_allowed_token_ids(req, vocab_size, structured),
+            truncate_prompt_tokens=prompt_truncation(req, max_model_len),
             structured=structured,
         )
     except InvalidRequestError as e:

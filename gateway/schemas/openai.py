@@ -128,6 +128,10 @@ class SamplingFields(_Strict):
             them as the tokenizer spells them.
         spaces_between_special_tokens: ``true``: a space between each special token and the text beside
             it (vLLM's slow-tokenizer spelling); ``false`` or unset (vLLM's with a fast tokenizer): none.
+        truncate_prompt_tokens: Keep each prompt's last k tokens (after the chat template); -1 keeps the
+            model's context; more than the context holds is a 400. The kept tokens are what the policy,
+            the quotas and ``usage`` count; the byte cap on the prompt's text still applies before it is
+            tokenized.
         return_tokens_as_token_ids: Label logprob tokens ``token_id:N`` (a token that is part of a UTF-8
             character has no text of its own); ``bytes`` and ``text_offset`` stay the token's text's.
         include_stop_str_in_output: End the text after the ``stop`` string that ended it, instead of
@@ -168,6 +172,7 @@ class SamplingFields(_Strict):
     skip_special_tokens: bool = True  # extension
     spaces_between_special_tokens: bool | None = None  # extension
     return_tokens_as_token_ids: bool = False  # extension
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1, le=2**31 - 1)  # extension; -1 or >= 1
     include_stop_str_in_output: bool = False  # extension
     allowed_token_ids: Annotated[list[Annotated[int, Field(ge=0, le=2**31 - 1)]],  # extension
                                  Field(min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS)] | None = None
@@ -195,6 +200,13 @@ class SamplingFields(_Strict):
             if not isinstance(schema, dict):
                 raise ValueError("the schema must be a JSON object")
         return schema if schema is None else check_schema_shape(schema)
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _check_truncation(cls, keep: int | None) -> int | None:
+        if keep == 0:  # vLLM's renders no prompt at all
+            raise ValueError("truncate_prompt_tokens must be -1 or at least 1")
+        return keep
 
     @model_validator(mode="after")
     def _check_stream_options(self) -> SamplingFields:

@@ -58,18 +58,26 @@ def prepare(target: Target, req: ChatCompletionRequest | CompletionRequest, kind
     return UpstreamCall(target, _PATHS[kind], body, affinity)
 
 
+# vLLM's fields that a pool of other servers would not honour as the gateway counted them, by ``param``.
+_VLLM_ONLY = {"stream_options.continuous_usage_stats": lambda r: r.is_usage_continuous,
+              "truncate_prompt_tokens": lambda r: r.truncate_prompt_tokens is not None}
+
+
 def _stream_options(req: ChatCompletionRequest | CompletionRequest, kind: str) -> dict[str, bool]:
     """Usage always comes back (the settlement needs it); in every chunk where the client asked for it
-    (vLLM's ``continuous_usage_stats``), from the servers that send it.
+    (vLLM's ``continuous_usage_stats``).
 
     Raises:
-        InvalidRequest: Continuous usage from a pool whose servers do not send it.
+        InvalidRequest: One of vLLM's fields that a pool of other servers would not honour (the prompt
+            the gateway counted truncated, continuous usage).
     """
+    if kind not in ("vllm", "kvgate"):
+        for param, is_set in _VLLM_ONLY.items():
+            if is_set(req):
+                raise InvalidRequest(f"{param.rpartition('.')[2]} is not available from this model's {kind} "
+                                     "servers.", param=param)
     if not req.is_usage_continuous:
         return {"include_usage": True}
-    if kind not in ("vllm", "kvgate"):
-        raise InvalidRequest(f"continuous_usage_stats is not available from this model's {kind} servers.",
-                             param="stream_options.continuous_usage_stats")
     return {"include_usage": True, "continuous_usage_stats": True}
 
 

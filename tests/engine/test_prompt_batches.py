@@ -1,4 +1,5 @@
-"""A request of several token-id prompts (vLLM's batch): ``n`` samples per prompt, sample ``p * n + i``."""
+"""Prompts as the engine takes them: several token-id prompts in one request (vLLM's batch: ``n``
+samples per prompt, sample ``p * n + i``), each truncated to its last tokens on request."""
 
 from __future__ import annotations
 
@@ -56,3 +57,18 @@ def test_sizes_are_checked_before_anything_is_queued(engine):
     with pytest.raises(InvalidRequestError):
         engine.add_request([[5, 6], []], SamplingParams(max_tokens=2))
     assert not engine.has_unfinished() and engine.scheduler.num_unfinished == 0
+
+
+def test_truncation_keeps_each_prompts_last_tokens(engine):
+    greedy = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    cut = _run(engine, PROMPTS, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True,
+                                               truncate_prompt_tokens=2))
+    assert cut.prompt_token_ids == PROMPTS[0][-2:] + PROMPTS[1][-2:]
+    assert [o.token_ids for o in cut.outputs] == [_run(engine, p[-2:], greedy).token_ids for p in PROMPTS]
+    whole = _run(engine, PROMPTS[0], SamplingParams(max_tokens=2, truncate_prompt_tokens=-1))
+    assert whole.prompt_token_ids == PROMPTS[0]  # -1: the context, which this prompt fits in
+    with pytest.raises(InvalidRequestError, match="context"):
+        engine.add_request(PROMPTS[0], SamplingParams(max_tokens=2, truncate_prompt_tokens=65))
+    for bad in (0, -2, 1.5, True):
+        with pytest.raises(InvalidRequestError):
+            SamplingParams(truncate_prompt_tokens=bad)

@@ -151,6 +151,20 @@ async def test_token_id_prompt_replays(gw: Gateway, tiny_model_dir: Path, tmp_pa
     assert res.exit_code == 3, res.output
 
 
+async def test_a_truncated_prompt_replays(gw: Gateway, tiny_model_dir: Path, tmp_path: Path) -> None:
+    prompt = "only the last tokens of this prompt run"
+    body = {"model": gw.runtime.engine.model_name, "prompt": prompt, "max_tokens": 4, "temperature": 0,
+            "truncate_prompt_tokens": 3, "determinism": "fixed"}
+    r = await gw.client.post("/v1/completions", headers=await tenant_headers(gw), json=body)
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 3, r.text
+    prompt_file = tmp_path / "prompt.txt"
+    prompt_file.write_text(prompt)  # the whole prompt, as sent: the receipt's count cuts it
+    res = await _replay(gw, tiny_model_dir, r.json()["id"].removeprefix("cmpl-"), "--prompt-file",
+                        str(prompt_file))
+    assert res.exit_code == 0 and "REPLAY MATCHES" in res.output, res.output
+    assert "prompt: matches the recorded keyed hash (3 tokens)" in res.output
+
+
 async def test_several_prompts_replay(gw: Gateway, tiny_model_dir: Path, tmp_path: Path) -> None:
     prompts = ["rivers of the north", "three lakes"]
     body = {"model": gw.runtime.engine.model_name, "prompt": prompts, "n": 2, "max_tokens": 4,

@@ -121,7 +121,7 @@ async def _route(gw: Gateway, bad: BadUpstream, tiny_model_dir: object, kind: st
     assert r.status_code == 200, r.text
 
 
-async def test_an_upstream_pool_sends_continuous_usage_where_its_servers_can(rgw, tiny_model_dir) -> None:
+async def test_an_upstream_pool_gets_vllms_fields_where_its_servers_take_them(rgw, tiny_model_dir) -> None:
     async def counting(req: Seen, w) -> None:  # type: ignore[no-untyped-def]
         await head(w, 200)
         usage = [{"prompt_tokens": 9, "completion_tokens": k, "total_tokens": 9 + k} for k in (1, 2)]
@@ -136,8 +136,11 @@ async def test_an_upstream_pool_sends_continuous_usage_where_its_servers_can(rgw
         [seen] = bad.seen_at(PATHS["chat"])
         await _route(rgw, bad, tiny_model_dir, "llamacpp")
         refused = await _post(rgw, "chat", model="up-llamacpp", **options)
+        uncut = await _post(rgw, "chat", model="up-llamacpp", truncate_prompt_tokens=3)
     assert seen.body["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
     events = sse_events(r.text)
     assert [e["usage"]["completion_tokens"] for e in events] == [1, 2, 2]
     assert refused.status_code == 400, refused.text
     assert refused.json()["error"]["param"] == "stream_options.continuous_usage_stats"
+    # the gateway would count a truncated prompt the server runs whole
+    assert uncut.status_code == 400 and uncut.json()["error"]["param"] == "truncate_prompt_tokens", uncut.text
