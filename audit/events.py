@@ -41,7 +41,7 @@ RECEIPT_FIELDS = frozenset({
     "num_choices", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
     "ignore_eos", "min_tokens", "skip_special_tokens", "presence_penalty", "frequency_penalty",
     "repetition_penalty", "logit_bias", "include_stop_str_in_output", "allowed_token_ids",
-    "spaces_between_special_tokens", "truncate_prompt_tokens",
+    "spaces_between_special_tokens", "truncate_prompt_tokens", "bad_words_token_ids",
 })
 # name -> fields allowed in ``data``. Top-level ids (tenant, key, request, actor) are columns, not data.
 EVENT_FIELDS: dict[str, frozenset[str]] = {

@@ -14,6 +14,8 @@ from engine.structured import StructuredOutput
 
 MAX_LOGIT_BIAS = 300  # entries, as OpenAI allows
 MAX_ALLOWED_TOKEN_IDS = 4096  # each step scatters them into the request's row
+MAX_BAD_WORDS = 256  # token sequences; each step looks up the row's last tokens once per sequence length
+MAX_BAD_WORD_TOKENS = 32
 
 
 def _check(cond: bool, msg: str) -> None:
@@ -54,6 +56,9 @@ class SamplingParams:
             beside it in ``text``, as vLLM and Hugging Face write them with a Python tokenizer; ``False``
             or ``None`` (as the tokenizer decodes, vLLM's with a fast tokenizer): none.
         include_stop_str_in_output: A ``stop`` string that ends the text stays in it (at its end).
+        bad_words_token_ids: Token sequences the output must not hold (vLLM's ``bad_words``, tokenized): a
+            sequence's last token is masked out wherever the generated tokens end with its others (at
+            most ``MAX_BAD_WORDS`` sequences of 1 to ``MAX_BAD_WORD_TOKENS`` ids).
         truncate_prompt_tokens: Run only the prompt's last k tokens (each prompt's); -1 keeps the last
             ``max_model_len``; more than the context holds is refused when the request is added.
         allowed_token_ids: Sample only among these token ids (1 to ``MAX_ALLOWED_TOKEN_IDS``; ids past
@@ -85,6 +90,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     allowed_token_ids: list[int] | None = None
     truncate_prompt_tokens: int | None = None
+    bad_words_token_ids: list[list[int]] | None = None
     determinism: str | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -135,6 +141,14 @@ class SamplingParams:
                    and all(_is_int(t) and t >= 0 for t in ids),
                    f"allowed_token_ids must be 1 to {MAX_ALLOWED_TOKEN_IDS} non-negative integers")
             self.allowed_token_ids = list(ids)
+        if self.bad_words_token_ids is not None:
+            words = self.bad_words_token_ids
+            _check(isinstance(words, (list, tuple)) and len(words) <= MAX_BAD_WORDS and all(
+                isinstance(w, (list, tuple)) and 0 < len(w) <= MAX_BAD_WORD_TOKENS
+                and all(_is_int(t) and t >= 0 for t in w) for w in words),
+                f"bad_words_token_ids must be at most {MAX_BAD_WORDS} lists of 1 to {MAX_BAD_WORD_TOKENS} "
+                "non-negative integers")
+            self.bad_words_token_ids = [list(w) for w in words]
         keep = self.truncate_prompt_tokens
         _check(keep is None or (_is_int(keep) and (keep == -1 or keep >= 1)),
                f"truncate_prompt_tokens must be -1 or a positive integer, got {keep!r}")
@@ -196,7 +210,7 @@ class Sequence:
                  "arrival_time", "first_scheduled_time", "first_token_time", "last_token_time",
                  "finish_time", "logprobs", "cache_namespace", "sample_seed", "max_len",
                  "num_preemptions", "stop_reason", "token_times", "num_prefill_computed", "mode",
-                 "tenant", "matcher", "mask", "penalty")
+                 "tenant", "matcher", "mask", "penalty", "bad_words")
 
     def __init__(self, seq_id: int, request_id: str, sample_index: int, prompt_token_ids: list[int],
                  params: SamplingParams, *, arrival_time: float, priority: int = 0,
@@ -232,6 +246,7 @@ class Sequence:
         self.matcher = None
         self.mask = None                    # its next token's mask, computed ahead (engine.grammar.masks)
         self.penalty = None                 # token counts for the penalties (runner.logits.PenaltyState)
+        self.bad_words = None               # its bad words as prefix lookups (runner.logits.BadWords)
 
     @property
     def num_tokens(self) -> int:

@@ -29,6 +29,12 @@ def check_add_args(params: SamplingParams, share: TenantShare | None, cache_name
         raise InvalidRequestError(f"allowed_token_ids must be below the vocabulary size {vocab_size}")
     if params.allowed_token_ids and params.structured is not None:
         raise InvalidRequestError("allowed_token_ids cannot be combined with a structured output")
+    words = params.bad_words_token_ids
+    if words and max(max(w) for w in words) >= vocab_size:
+        raise InvalidRequestError(f"bad_words_token_ids must be below the vocabulary size {vocab_size}")
+    if words and (params.structured is not None or params.allowed_token_ids):
+        raise InvalidRequestError("bad words cannot be combined with a structured output or "
+                                  "allowed_token_ids")
 
 
 def tokenize_prompt(tokenizer, prompt: str | Seq[int], vocab_size: int) -> list[int]:

@@ -1,6 +1,6 @@
 """Logit processing before sampling: logit_bias, then the repetition, frequency and presence penalties,
-then ``allowed_token_ids`` and structured outputs' grammar masks, each over the rows that use it (the
-rest untouched).
+then ``allowed_token_ids``, bad words and structured outputs' grammar masks, each over the rows that use
+it (the rest untouched).
 
 Every operation is elementwise within a row, so a row's processed logits are the same bits whatever
 other rows share the step (the ``batch_invariant`` contract), and greedy argmax, seeded draws and
@@ -138,6 +138,45 @@ def apply_allowed(logits: torch.Tensor, seqs: list[Sequence]) -> None:
             logits[i, index] = kept
 
 
+class BadWords:
+    """A row's bad words as lookups: for each prefix length, the prefixes (the last tokens generated) and
+    the tokens each bans next. A step looks up one tuple of the row's last tokens per length, at most
+    ``MAX_BAD_WORD_TOKENS``, whatever the number of words."""
+
+    __slots__ = ("by_length",)
+
+    def __init__(self, sequences: list[list[int]]) -> None:
+        self.by_length: dict[int, dict[tuple[int, ...], list[int]]] = {}
+        for ids in sequences:
+            self.by_length.setdefault(len(ids) - 1, {}).setdefault(tuple(ids[:-1]), []).append(ids[-1])
+
+    def banned(self, seq: Sequence) -> list[int]:
+        """The tokens ``seq`` may not draw next: a word's last, where its output ends with the word's
+        others (vLLM's rule: only generated tokens count, never the prompt's)."""
+        tokens, end = seq.all_token_ids, seq.num_tokens
+        banned: list[int] = []
+        for length, prefixes in self.by_length.items():
+            if length <= seq.num_output_tokens:
+                banned += prefixes.get(tuple(tokens[end - length:end]), ())
+        return banned
+
+
+def apply_bad_words(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    """In place: each row's banned next tokens (``BadWords``) masked out."""
+    rows: list[int] = []
+    tokens: list[int] = []
+    for i, seq in enumerate(seqs):
+        if seq.params.bad_words_token_ids:
+            if seq.bad_words is None:
+                seq.bad_words = BadWords(seq.params.bad_words_token_ids)
+            banned = seq.bad_words.banned(seq)
+            rows += [i] * len(banned)
+            tokens += banned
+    if rows:
+        index = (torch.tensor(rows, device=logits.device), torch.tensor(tokens, device=logits.device))
+        logits.index_put_(index, torch.tensor(float("-inf"), device=logits.device))
+
+
 def apply_grammars(logits: torch.Tensor, seqs: list[Sequence]) -> None:
     """Mask, in place, the tokens each constrained row's grammar does not allow next (the masks were
     computed before the step: ``engine.grammar.masks``)."""
@@ -149,8 +188,9 @@ def apply_grammars(logits: torch.Tensor, seqs: list[Sequence]) -> None:
 
 
 def process_logits(logits: torch.Tensor, seqs: list[Sequence]) -> None:
-    """Penalties and logit_bias, then allowed tokens and grammar masks, in place (rows that use none stay
-    as they are)."""
+    """Penalties and logit_bias, then allowed tokens, bad words and grammar masks, in place (rows that use
+    none stay as they are)."""
     apply_penalties(logits, seqs)
     apply_allowed(logits, seqs)
+    apply_bad_words(logits, seqs)
     apply_grammars(logits, seqs)

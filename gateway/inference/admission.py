@@ -15,6 +15,7 @@ from engine import SamplingParams, ServedModel, TenantShare
 from gateway.audit_hook import AuditUnavailableError, DeferredEvent, chain_steps
 from gateway.errors import InvalidRequest, PolicyViolation
 from gateway.inference import retention
+from gateway.inference.bad_words import bad_words_token_ids
 from gateway.inference.chat_template import template_features
 from gateway.inference.legacy_functions import check_relayable
 from gateway.inference.prompt_tokens import (  # kvgate replay and the benchmarks import these from here
@@ -336,8 +337,10 @@ async def admit(
         if target is None:  # an upstream compiles its own constraints
             await check_compiles(rt.engine.tokenizer, found)
         served: ServedModel = rt.engine if target is None else target
+        bad_words = bad_words_token_ids(served.tokenizer, req.bad_words, len(served.tokenizer),
+                                        allow_special_tokens=policy.allow_special_tokens)
         params = sampling_params(req, decision, len(served.tokenizer), found.structured,
-                                 max_model_len=served.max_model_len)
+                                 max_model_len=served.max_model_len, bad_words=bad_words)
         fields = _admitted_fields(request_id, principal, req.model, sum(map(len, prompts)), decision)
         fields |= described
         features = list(found.features)

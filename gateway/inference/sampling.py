@@ -15,7 +15,7 @@ from policies import Decision
 # ``SamplingParams`` field that the request has (by name) reaches the engine as sent. So a new plain
 # field (``min_p``) is a request field and a ``SamplingParams`` field, and nothing here.
 DECIDED = frozenset({"max_tokens", "seed", "stop", "logprobs", "determinism", "logit_bias", "structured",
-                     "stop_token_ids", "allowed_token_ids", "truncate_prompt_tokens"})
+                     "stop_token_ids", "allowed_token_ids", "truncate_prompt_tokens", "bad_words_token_ids"})
 AS_SENT = tuple(f.name for f in dataclasses.fields(SamplingParams)
                 if f.name in SamplingFields.model_fields and f.name not in DECIDED)
 
@@ -61,6 +61,15 @@ def _allowed_token_ids(req: ChatCompletionRequest | CompletionRequest, vocab_siz
     return _in_vocabulary(req.allowed_token_ids, vocab_size, "allowed_token_ids")
 
 
+def _bad_words(req: ChatCompletionRequest | CompletionRequest, bad_words: list[list[int]] | None,
+               structured: StructuredOutput | None) -> list[list[int]] | None:
+    if bad_words and (structured is not None or req.allowed_token_ids is not None):
+        # a grammar or the allowed tokens could be left with no token at all
+        raise InvalidRequest("bad_words cannot be combined with allowed_token_ids, a structured output or a "
+                             "forced tool call.", code="invalid_value", param="bad_words")
+    return bad_words
+
+
 def prompt_truncation(req: ChatCompletionRequest | CompletionRequest, max_model_len: int) -> int | None:
     """How many of each prompt's last tokens the request keeps (vLLM's ``truncate_prompt_tokens``: -1 is
     the model's context); ``None``: all of them.
@@ -85,10 +94,12 @@ def sampling_params(
     structured: StructuredOutput | None = None,
     *,
     max_model_len: int = 0,
+    bad_words: list[list[int]] | None = None,
 ) -> SamplingParams:
     """The engine's parameters for ``req`` under its policy's ``decision``; ``structured`` is what its
     text must match (``gateway.inference.structured``); ``max_model_len`` the served model's context,
-    which a ``truncate_prompt_tokens`` of -1 keeps (recorded as that count, so a replay keeps as many).
+    which a ``truncate_prompt_tokens`` of -1 keeps (recorded as that count, so a replay keeps as many);
+    ``bad_words`` the request's as token sequences (``gateway.inference.bad_words``).
 
     Raises:
         InvalidRequest: ``min_tokens`` over ``max_tokens``, a ``logit_bias``, ``stop_token_ids`` or
@@ -114,6 +125,7 @@ def sampling_params(
             stop_token_ids=_in_vocabulary(req.stop_token_ids, vocab_size, "stop_token_ids"),
             allowed_token_ids=_allowed_token_ids(req, vocab_size, structured),
             truncate_prompt_tokens=prompt_truncation(req, max_model_len),
+            bad_words_token_ids=_bad_words(req, bad_words, structured),
             structured=structured,
         )
     except InvalidRequestError as e:

@@ -91,6 +91,7 @@ _Bias = Annotated[float, Field(ge=-100.0, le=100.0)]
 MAX_LOGIT_BIAS = 300
 MAX_STOP_TOKEN_IDS = 128  # each generated token is looked up among them
 MAX_ALLOWED_TOKEN_IDS = 4096  # each step of the request scatters them into its row
+MAX_BAD_WORDS = 128  # each is tokenized at admission and looked up by each step of the request
 # Which completions API a request came by: /v1/chat/completions or /v1/completions.
 RequestKind = Literal["chat", "text"]
 _Choice = Annotated[str, Field(min_length=1, max_length=1024)]
@@ -136,6 +137,10 @@ class SamplingFields(_Strict):
             character has no text of its own); ``bytes`` and ``text_offset`` stay the token's text's.
         include_stop_str_in_output: End the text after the ``stop`` string that ended it, instead of
             before it.
+        bad_words: Strings the text must not hold (vLLM's): each word's last token is banned wherever the
+            generated tokens before it are the word's others; at most 128 words of 1 to 128 characters
+            and 32 tokens; not with ``allowed_token_ids`` or a structured output (they could leave no
+            token).
         allowed_token_ids: Sample only among these tokens (1 to 4096 ids, each in the vocabulary); not
             with a structured output or a forced tool call, whose grammar picks the tokens.
         request_id: The caller's own id for the request (as vLLM takes it), recorded in its audit events;
@@ -176,6 +181,8 @@ class SamplingFields(_Strict):
     include_stop_str_in_output: bool = False  # extension
     allowed_token_ids: Annotated[list[Annotated[int, Field(ge=0, le=2**31 - 1)]],  # extension
                                  Field(min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS)] | None = None
+    bad_words: Annotated[list[Annotated[str, Field(min_length=1, max_length=128)]],  # extension
+                         Field(max_length=MAX_BAD_WORDS)] | None = None
     determinism: Determinism | None = None  # extension; validated against the tenant's policy
     guided_json: dict[str, Any] | str | None = None  # extension
     guided_regex: str | None = Field(default=None, min_length=1, max_length=16_384)  # extension

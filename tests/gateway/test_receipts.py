@@ -113,7 +113,7 @@ EVERY_PARAMETER = SamplingParams(
     n=2, max_tokens=9, temperature=0.7, top_p=0.9, top_k=5, min_p=0.05, seed=12345, stop=["END"],
     stop_token_ids=[7], ignore_eos=True, min_tokens=3, logprobs=None, skip_special_tokens=False,
     include_stop_str_in_output=True, allowed_token_ids=[3, 1000], spaces_between_special_tokens=True,
-    truncate_prompt_tokens=50,
+    truncate_prompt_tokens=50, bad_words_token_ids=[[5, 6], [7]],
     determinism="fixed",
     presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.2, logit_bias={1000: 100.0, 3: -2.5},
 )

@@ -187,6 +187,7 @@ TOKEN_DECIDING = {
                   "repetition_penalty": 2.0},
     "logit_bias": {"temperature": 0, "logit_bias": {"1000": 100}},
     "min_p": {"temperature": 1.5, "seed": 11, "min_p": 0.3, "top_p": 0.95},
+    "bad_words": {"temperature": 0, "bad_words": ["the", "river", "New York"]},
     "json_schema": {"temperature": 0, "response_format": {"type": "json_schema", "json_schema": {
         "name": "answer",
         "schema": {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
