@@ -37,7 +37,7 @@ _REQUEST_COMMON = ("model", "num_prompt_tokens", "prompt_hash", "determinism", "
 # structured output is its kind and keyed hash.
 RECEIPT_FIELDS = frozenset({
     "receipt_version", "kind", "model", "determinism", "system_fingerprint", "prompt_hash", "arrival_step",
-    "token_hashes", "structured_kind", "structured_hash",
+    "token_hashes", "structured_kind", "structured_hash", "max_tool_calls",
     "num_choices", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
     "ignore_eos", "min_tokens", "skip_special_tokens", "presence_penalty", "frequency_penalty",
     "repetition_penalty", "logit_bias", "include_stop_str_in_output", "allowed_token_ids",

@@ -50,12 +50,14 @@ def _admit(tokenizer: Any, fields: dict[str, Any]) -> tuple[Any, str | None, flo
     from gateway.errors import ClientError
     from gateway.inference.structured import check_compiles, constraint
     from gateway.schemas.openai import ChatCompletionRequest
+    from gateway.settings import Settings
     from policies import Policy
 
     body = {"model": "m", "messages": [{"role": "user", "content": "Go."}]} | fields
     t0 = time.perf_counter()
     try:
-        found = constraint(ChatCompletionRequest.model_validate(body), Policy(), "bench")
+        req = ChatCompletionRequest.model_validate(body)
+        found = constraint(req, Policy(), "bench", Settings.model_fields["max_tool_calls"].default)
         asyncio.run(check_compiles(tokenizer, found))
     except ClientError as e:
         return None, f"{e.status_code}: {e.message}", time.perf_counter() - t0

@@ -141,6 +141,10 @@ class Settings(BaseSettings):
         log_max_value_chars: Longest string value a log line carries (``KVGATE_LOG_MAX_VALUE_CHARS``); a
             longer one is logged as its length and keyed hash without being scanned, so that one huge
             value cannot hold the event loop in the redactor.
+        max_tool_calls: The most tool calls one chat reply may make: the list a ``tool_choice: required``
+            reply is forced to write holds at most this many (without a bound a small model appends calls
+            until ``max_tokens``), and in ``auto`` the calls past it are dropped. A tenant's policy
+            (``max_tool_calls``) and a Responses request's ``max_tool_calls`` may lower it, never raise it.
         upstream_allow_private_addresses: Let model routes reach private, loopback, link-local, shared
             (CGNAT) and cloud-metadata addresses (``KVGATE_UPSTREAM_ALLOW_PRIVATE_ADDRESSES``). Off (the
             default), such a URL is refused when the route is stored, and every connection to an
@@ -209,6 +213,7 @@ class Settings(BaseSettings):
     auth_failure_flush_s: float = Field(default=1.0, gt=0, le=60)
     auth_failure_max_peers: int = Field(default=10_000, ge=1, le=1_000_000)
     log_max_value_chars: int = Field(default=DEFAULT_MAX_VALUE_CHARS, ge=256)
+    max_tool_calls: int = Field(default=8, ge=1, le=1024)
     # Upstream pools: where routes may point, and what an upstream may send back (docs/security.md).
     upstream_allow_private_addresses: bool = False
     upstream_max_error_bytes: int = Field(default=65_536, ge=1024, le=16_777_216)

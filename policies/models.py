@@ -45,6 +45,8 @@ class Policy(BaseModel):
         allow_structured_outputs: Requests may constrain their reply (``response_format`` json_object or
             json_schema, ``guided_*``).
         allow_tools: Requests may declare ``tools``.
+        max_tool_calls: Most tool calls one chat reply may make; lowers the server's ``max_tool_calls``
+            (never raises it). ``None``: the server's alone.
         max_schema_bytes: Largest JSON schema (a ``response_format``'s, ``guided_json``, each tool's
             parameters), in bytes as compact JSON; ``None``: the server's cap (64 KiB) alone.
         trust_cache_salt: Requests may send a ``cache_salt``, mixed into their prefix-cache namespace.
@@ -80,6 +82,7 @@ class Policy(BaseModel):
     prompt_retention_days: int = Field(default=0, ge=0, le=3650)
     allow_structured_outputs: bool = True
     allow_tools: bool = True
+    max_tool_calls: PositiveInt | None = None
     max_schema_bytes: PositiveInt | None = None
     trust_cache_salt: bool = False
     allow_shared_upstream_cache: bool = False

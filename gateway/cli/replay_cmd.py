@@ -232,7 +232,8 @@ def _structured(data_dir: Path, receipt: Receipt, request: Any, has_body: bool) 
     from gateway.inference.structured import requested_output
 
     try:
-        structured = requested_output(request)
+        # A receipt before version 3 holds no bound: its forced list of calls had none.
+        structured = requested_output(request, receipt.max_tool_calls)
     except GatewayError as e:
         raise ReplayError(e.message) from None
     if structured is None and receipt.structured_kind is None:

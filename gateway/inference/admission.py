@@ -329,7 +329,8 @@ async def admit(
         check_cache_fields(req, policy, target)
         check_relayable(req, target is not None)
         described = described_fields(req, policy)
-        found = constraint(req, policy, principal.tenant_id or "")  # the policy's feature checks: cheap
+        # The policy's feature checks: cheap.
+        found = constraint(req, policy, principal.tenant_id or "", rt.settings.max_tool_calls)
         if target is None:  # an upstream pool has no place to give: its servers queue or answer 503
             # After the tenant's own limits (over them, the answer is its 429); taken once reserved.
             place = rt.overload.claim(principal.tenant_id or "", policy.share)

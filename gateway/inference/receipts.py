@@ -27,8 +27,9 @@ if TYPE_CHECKING:
     from engine import StructuredOutput
     from gateway.inference.admission import Admission
 
-# Receipts before this version recorded only n, max_tokens, temperature, top_p, top_k, seed and stop.
-RECEIPT_VERSION = 2
+# Version 1 recorded only n, max_tokens, temperature, top_p, top_k, seed and stop; version 2 every
+# parameter; version 3 the bound on a reply's tool calls (a forced list of calls holds at most that many).
+RECEIPT_VERSION = 3
 # SamplingParams fields a receipt leaves out, and why.
 NOT_RECORDED = {
     "logprobs": "read from the logits after each token is drawn: returned beside the tokens, never "
@@ -40,7 +41,7 @@ NOT_RECORDED = {
 RENAMED = {"n": "num_choices"}
 # Recorded fields that are not SamplingParams fields.
 ENVELOPE = ("receipt_version", "kind", "model", "system_fingerprint", "prompt_hash", "structured_kind",
-            "structured_hash", "arrival_step", "token_hashes")
+            "structured_hash", "max_tool_calls", "arrival_step", "token_hashes")
 # Fields without which a record cannot be replayed (records from before receipts lack them).
 _REQUIRED = ("kind", "model", "determinism", "system_fingerprint", "num_choices", "max_tokens", "temperature")
 
@@ -82,10 +83,12 @@ class Receipt:
             unseeded sampled request.
         structured_kind: The structured output's kind (``json_schema``, ``regex``, ...), if any.
         structured_hash: Its keyed hash (``structured_hash``).
+        max_tool_calls: The most tool calls the reply could make (requests with tools, from version 3):
+            a forced list of calls was bounded by it, so a replay rebuilds that constraint with it.
         arrival_step: Engine steps run before the request arrived (orders a stream replay).
         token_hashes: One hash chain per choice (``fixed``/``batch_invariant``); empty in ``fast`` mode.
         version: ``RECEIPT_VERSION`` when written; 1 for a record from before receipts held every
-            parameter.
+            parameter (the record says which).
     """
 
     kind: RequestKind
@@ -95,6 +98,7 @@ class Receipt:
     prompt_hash: str | None = None
     structured_kind: StructuredKind | None = None
     structured_hash: str | None = None
+    max_tool_calls: int | None = None
     arrival_step: int | None = None
     token_hashes: tuple[str, ...] = ()
     version: int = RECEIPT_VERSION
@@ -117,6 +121,7 @@ class Receipt:
             prompt_hash=adm.prompt_hash,
             structured_kind=None if p.structured is None else p.structured.kind,
             structured_hash=adm.structured_hash,
+            max_tool_calls=None if adm.tools is None else adm.tools.max_calls,
             arrival_step=None if last is None else last.metrics.arrival_step,
             token_hashes=hashes,
         )
@@ -129,7 +134,8 @@ class Receipt:
             "receipt_version": self.version, "kind": self.kind, "model": self.model,
             "system_fingerprint": self.system_fingerprint, **params, "prompt_hash": self.prompt_hash,
             "structured_kind": self.structured_kind, "structured_hash": self.structured_hash,
-            "arrival_step": self.arrival_step, "token_hashes": self.token_hashes,
+            "max_tool_calls": self.max_tool_calls, "arrival_step": self.arrival_step,
+            "token_hashes": self.token_hashes,
         }
         return {k: _recordable(v) for k, v in values.items() if v not in ((), [], {}, None)}
 
@@ -155,6 +161,7 @@ class Receipt:
             prompt_hash=data.get("prompt_hash"),
             structured_kind=data.get("structured_kind"),
             structured_hash=data.get("structured_hash"),
+            max_tool_calls=data.get("max_tool_calls"),
             arrival_step=data.get("arrival_step"),
             token_hashes=tuple(data.get("token_hashes") or ()),
             version=data.get("receipt_version", 1),

@@ -60,6 +60,7 @@ class Shape:
             "id": f"resp_{request_id}", "object": "response", "created_at": created, "model": model,
             "status": "in_progress", "error": None, "incomplete_details": None,
             "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
+            "max_tool_calls": req.max_tool_calls,
             "metadata": req.metadata or {}, "parallel_tool_calls": req.parallel_tool_calls is not False,
             "previous_response_id": req.previous_response_id,
             "temperature": 1.0 if req.temperature is None else req.temperature,

@@ -16,7 +16,7 @@ from engine.errors import EngineUnavailableError
 from engine.grammar.compiler import compiler_for
 from gateway.errors import InvalidRequest, PolicyViolation, ServiceUnavailable
 from gateway.inference.legacy_functions import as_tools, legacy_param, named_as_sent, uses_functions
-from gateway.inference.tools import ToolMode, forcing_schema, parameters, tool_mode
+from gateway.inference.tools import ToolMode, forcing_schema, max_tool_calls, parameters, tool_mode
 from gateway.schemas.openai import ChatCompletionRequest, CompletionRequest
 from gateway.schemas.openai_tools import schema_bytes
 from policies import FeatureUse, Policy, check_features
@@ -95,9 +95,11 @@ def _first_line(text: str) -> str:
     return text.strip().splitlines()[0][:_MAX_MESSAGE_CHARS] if text.strip() else "no reason given"
 
 
-def constraint(req: ChatCompletionRequest | CompletionRequest, policy: Policy, cache_key: str) -> Constraint:
+def constraint(req: ChatCompletionRequest | CompletionRequest, policy: Policy, cache_key: str,
+               max_calls: int) -> Constraint:
     """The request's constraint, after its policy's feature checks and the schemas' metaschema checks
-    (cheap: compiling is ``check_compiles``).
+    (cheap: compiling is ``check_compiles``); a reply makes at most ``max_calls`` tool calls (the
+    server's bound), or fewer where the policy or the request says so.
 
     Raises:
         InvalidRequest: Two constraints at once, a schema that is no JSON schema, bad tools (400).
@@ -107,7 +109,7 @@ def constraint(req: ChatCompletionRequest | CompletionRequest, policy: Policy, c
         return _constraint(req, None, policy, cache_key)
     tools_req = as_tools(req)  # its refusals name the deprecated fields already
     with named_as_sent(req):
-        mode = tool_mode(tools_req)
+        mode = tool_mode(tools_req, max_tool_calls(req, max_calls, policy.max_tool_calls))
         if not uses_functions(req):
             return _constraint(tools_req, mode, policy, cache_key)
         found = _constraint(tools_req, mode and dataclasses.replace(mode, legacy=True), policy, cache_key)
@@ -138,9 +140,11 @@ def _constraint(req: ChatCompletionRequest | CompletionRequest, mode: ToolMode |
     return Constraint(structured, param, mode, features)
 
 
-def requested_output(req: ChatCompletionRequest | CompletionRequest) -> StructuredOutput | None:
+def requested_output(req: ChatCompletionRequest | CompletionRequest,
+                     max_calls: int | None) -> StructuredOutput | None:
     """The engine's constraint for ``req`` as ``constraint`` builds it, without the policy's checks:
-    ``kvgate replay`` rebuilds a recorded request's from its body.
+    ``kvgate replay`` rebuilds a recorded request's from its body and the tool call bound its receipt
+    holds (``None``: recorded before there was one).
 
     Raises:
         InvalidRequest: Bad tools, or a spec the engine refuses.
@@ -148,7 +152,7 @@ def requested_output(req: ChatCompletionRequest | CompletionRequest) -> Structur
     if isinstance(req, ChatCompletionRequest):
         req = as_tools(req)
     sources = _sources(req)
-    mode = tool_mode(req) if isinstance(req, ChatCompletionRequest) else None
+    mode = tool_mode(req, max_calls) if isinstance(req, ChatCompletionRequest) else None
     return _engine_constraint(req, mode, sources, "")[0]
 
 

@@ -195,8 +195,11 @@ class CallParser:
         return [Piece(content=text)]
 
     def _emit(self, call: Call) -> list[Piece]:
-        if self.num_calls and not self.mode.parallel:
-            return []  # ``parallel_tool_calls: false``: the first call is the reply's only one
+        # The model may write more blocks than the prompt asked for: the first ones make the reply's
+        # calls (the first alone with ``parallel_tool_calls: false``), the rest are dropped.
+        limit = self.mode.max_calls if self.mode.parallel else 1
+        if limit is not None and self.num_calls >= limit:
+            return []
         index, self.num_calls = self.num_calls, self.num_calls + 1
         return [Piece(index=index, call=Call(call.name, "", call.id)),
                 Piece(index=index, arguments=call.arguments)]

@@ -42,6 +42,9 @@ class ToolMode:
         names: The functions the request declares.
         name: The named function (``named`` only).
         parallel: More than one call may be made.
+        max_calls: The most calls one reply may make (the server's ``max_tool_calls``, lowered by the
+            tenant's policy and the request's own); ``None`` where none was set (a replay of a receipt
+            recorded before the bound existed).
         strict: The ``parameters`` of each function declared ``strict`` by name: in ``auto``, where no
             grammar holds the arguments, a call of one whose arguments do not match them is no call.
         legacy: The request came with OpenAI's deprecated ``functions``: its reply carries the call as
@@ -52,6 +55,7 @@ class ToolMode:
     names: frozenset[str]
     name: str | None = None
     parallel: bool = True
+    max_calls: int | None = None
     strict: Mapping[str, dict[str, Any]] = field(default_factory=dict, hash=False, compare=False)
     legacy: bool = False
 
@@ -60,8 +64,17 @@ class ToolMode:
         return self.kind != "auto"
 
 
-def tool_mode(req: ChatCompletionRequest) -> ToolMode | None:
-    """What ``tools`` and ``tool_choice`` ask for; ``None`` when no call can be made.
+def max_tool_calls(req: ChatCompletionRequest, *bounds: int | None) -> int | None:
+    """The most calls one reply of ``req`` may make: the least of ``bounds`` (the server's, the policy's;
+    ``None`` for no bound) and the request's own (a Responses request's ``max_tool_calls``)."""
+    # Only a Responses request carries one (its chat request reads it from its source).
+    given = [b for b in (*bounds, getattr(req, "max_tool_calls", None)) if b is not None]
+    return min(given) if given else None
+
+
+def tool_mode(req: ChatCompletionRequest, max_calls: int | None = None) -> ToolMode | None:
+    """What ``tools`` and ``tool_choice`` ask for, a reply making at most ``max_calls`` calls; ``None``
+    when no call can be made.
 
     Raises:
         InvalidRequest: Duplicate function names, a ``tool_choice`` without ``tools``, or one naming a
@@ -78,15 +91,16 @@ def tool_mode(req: ChatCompletionRequest) -> ToolMode | None:
         raise InvalidRequest("parallel_tool_calls needs tools.", param="parallel_tool_calls")
     if not tools or choice == "none":
         return None
-    parallel = req.parallel_tool_calls is not False
+    # One call at most is the non-parallel form: the forced reply is one call, not a list of one.
+    parallel = req.parallel_tool_calls is not False and max_calls != 1
     if isinstance(choice, NamedToolChoice):
         if choice.function.name not in names:
             raise InvalidRequest(f"tool_choice names '{choice.function.name}', which is not among tools.",
                                  param="tool_choice.function.name")
-        return ToolMode("named", frozenset(names), choice.function.name, parallel=False)
+        return ToolMode("named", frozenset(names), choice.function.name, parallel=False, max_calls=1)
     strict = {t.function.name: parameters(t) for t in tools if t.function.strict}
     return ToolMode("required" if choice == "required" else "auto", frozenset(names), parallel=parallel,
-                    strict=strict)
+                    max_calls=max_calls if parallel else 1, strict=strict)
 
 
 def parameters(tool: Tool) -> dict[str, Any]:
@@ -129,7 +143,8 @@ def _call_schema(tool: Tool, defs: dict[str, Any]) -> dict[str, Any]:
 
 def forcing_schema(req: ChatCompletionRequest, mode: ToolMode) -> dict[str, Any]:
     """The JSON schema a forced reply must match: the named function's arguments; or one call
-    (``{"name", "arguments"}``), or a non-empty list of them when calls may be parallel."""
+    (``{"name", "arguments"}``), or a non-empty list of at most ``mode.max_calls`` of them when calls may
+    be parallel (without that bound a small model appends calls until ``max_tokens``)."""
     tools = req.tools or []
     if mode.kind == "named":
         return next(parameters(t) for t in tools if t.function.name == mode.name)
@@ -137,6 +152,8 @@ def forcing_schema(req: ChatCompletionRequest, mode: ToolMode) -> dict[str, Any]
     calls = [_call_schema(t, defs) for t in tools]
     one = calls[0] if len(calls) == 1 else {"anyOf": calls}
     schema = {"type": "array", "items": one, "minItems": 1} if mode.parallel else dict(one)
+    if mode.parallel and mode.max_calls is not None:
+        schema["maxItems"] = mode.max_calls
     if defs:
         schema["$defs"] = defs
     return schema

@@ -175,6 +175,8 @@ class ResponsesRequest(_Strict):
     tools: Annotated[list[FunctionTool], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: Literal["none", "auto", "required"] | FunctionChoice | None = None
     parallel_tool_calls: bool | None = None
+    # Lowers the server's and the policy's bound on the reply's calls, never raises it.
+    max_tool_calls: int | None = Field(default=None, ge=1)
     text: TextConfig | None = None
     reasoning: Reasoning | None = None
     stream: bool = False
@@ -229,6 +231,12 @@ class ResponsesChat(ChatCompletionRequest):
     _source: ResponsesRequest | None = PrivateAttr(default=None)
     _retain_days: int = PrivateAttr(default=0)
     _messages: list[dict[str, Any]] = PrivateAttr(default_factory=list)
+
+    @property
+    def max_tool_calls(self) -> int | None:
+        """The Responses request's bound on the reply's calls (``gateway.inference.tools.max_tool_calls``
+        takes the least of it, the policy's and the server's)."""
+        return None if self._source is None else self._source.max_tool_calls
 
     @property
     def described_extra(self) -> dict[str, Any]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 from sqlalchemy import select
@@ -299,19 +300,25 @@ VERSION_1_FIELDS = ("kind", "model", "determinism", "system_fingerprint", "promp
                     "token_hashes")
 
 
-async def _record_as_version_1(gw: Gateway, request_id: str, features: list[str]) -> str:
-    """A copy of ``request_id``'s events as a gateway wrote them before receipts held every parameter."""
+async def _record_as_older(gw: Gateway, request_id: str, features: list[str], finished: Any,
+                           old_id: str = "0" * 31 + "1") -> str:
+    """A copy of ``request_id``'s events as an older gateway wrote them: ``finished`` rewrites the
+    ``request.finished`` event's data."""
     from audit.events import REQUEST_ADMITTED, REQUEST_FINISHED, make_event
 
     async with gw.runtime.db.connect() as conn:
         data = (await conn.execute(select(audit_events.c.data).where(
             audit_events.c.name == REQUEST_FINISHED, audit_events.c.request_id == request_id))).scalar_one()
-    finished = {k: v for k, v in json.loads(data).items() if k in VERSION_1_FIELDS}
-    old_id = "0" * 31 + "1"
     store = gw.runtime.audit_store
     await store.append(make_event(REQUEST_ADMITTED, request_id=old_id, features=features or None))
-    await store.append(make_event(REQUEST_FINISHED, request_id=old_id, **finished))
+    await store.append(make_event(REQUEST_FINISHED, request_id=old_id, **finished(json.loads(data))))
     return old_id
+
+
+async def _record_as_version_1(gw: Gateway, request_id: str, features: list[str]) -> str:
+    """A copy of ``request_id``'s events as a gateway wrote them before receipts held every parameter."""
+    return await _record_as_older(gw, request_id, features,
+                                  lambda data: {k: v for k, v in data.items() if k in VERSION_1_FIELDS})
 
 
 async def test_a_version_1_receipt_replays_as_before(
@@ -389,3 +396,49 @@ async def test_a_response_that_continued_another_replays_from_the_conversation(
     res = await _replay(gw, tiny_model_dir, request_id, "--messages-file", str(conversation),
                         "--request-file", str(body_file))
     assert res.exit_code == 0 and "REPLAY MATCHES" in res.output, res.output
+
+
+TIME = {"type": "function", "function": {"name": "get_time"}}
+
+
+async def test_receipts_from_before_and_after_the_tool_call_bound_replay(
+    gw: Gateway, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """A ``required`` reply's list of calls is bounded (``maxItems``) since receipt version 3, which records
+    the bound; a version 2 receipt's keyed hash is that of the list without it, and replays as it ran."""
+    import orjson
+
+    from engine import StructuredOutput
+    from gateway.inference.tools import forcing_schema, tool_mode
+    from gateway.schemas.openai import ChatCompletionRequest
+
+    h = await tenant_headers(gw)
+    body = {"model": gw.runtime.engine.model_name, "messages": [{"role": "user", "content": "bounded calls"}],
+            "max_tokens": 12, "temperature": 0, "determinism": "batch_invariant", "tools": [WEATHER, TIME],
+            "tool_choice": "required"}
+    r = await gw.client.post("/v1/chat/completions", headers=h, json=body)
+    assert r.status_code == 200, r.text
+    request_id = r.json()["id"].removeprefix("chatcmpl-")
+    body_file = tmp_path / "body.json"
+    body_file.write_text(json.dumps(body))
+    res = await _replay(gw, tiny_model_dir, request_id, "--messages-file", str(body_file))
+    assert res.exit_code == 0 and "REPLAY MATCHES" in res.output, res.output
+
+    req = ChatCompletionRequest.model_validate(body)
+    unbounded = orjson.dumps(forcing_schema(req, tool_mode(req))).decode()
+    old_hash = gw.runtime.structured_hash(StructuredOutput(json_schema=unbounded))
+
+    def as_version_2(data: dict) -> dict:
+        assert data["receipt_version"] == 3 and data["max_tool_calls"] == gw.settings.max_tool_calls
+        assert data["structured_hash"] != old_hash  # the bound is in the hash: a replay needs it
+        rest = {k: v for k, v in data.items() if k != "max_tool_calls"}
+        return rest | {"receipt_version": 2, "structured_hash": old_hash}
+
+    old_id = await _record_as_older(gw, request_id, ["tools"], as_version_2)
+    res = await _replay(gw, tiny_model_dir, old_id, "--messages-file", str(body_file))
+    assert res.exit_code == 0 and "REPLAY MATCHES" in res.output, res.output
+    # Version 3 without its bound: the rebuilt list is unbounded, so it is not the one the hash names.
+    broken = await _record_as_older(gw, request_id, ["tools"], lambda d: as_version_2(d) | {
+        "receipt_version": 3, "structured_hash": d["structured_hash"]}, old_id="0" * 31 + "2")
+    res = await _replay(gw, tiny_model_dir, broken, "--messages-file", str(body_file))
+    assert res.exit_code == 3 and "structured output: DIFFERS" in res.output, res.output

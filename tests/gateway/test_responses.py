@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 
+from sqlalchemy import select
+
+from audit.tables import audit_events
 from policies import Policy
 from tests.gateway.test_openai import tenant_headers
 
@@ -156,3 +159,22 @@ async def test_what_would_be_a_lie_to_accept_is_a_400_naming_the_field(gw):
         err = r.json()["error"]
         assert err["type"] == "invalid_request_error" and (param is None or err["param"].startswith(param)), (
             body, err)
+
+
+async def test_max_tool_calls_lowers_the_bound_and_is_echoed(gw):
+    """``max_tool_calls`` is the most calls the reply makes (below the server's and the policy's bound):
+    at 1 a ``required`` reply is one forced call."""
+    h = await tenant_headers(gw)
+    r = await _post(gw, h, input="Weather in Oslo?", tools=[WEATHER], tool_choice="required",
+                    max_tool_calls=1, max_output_tokens=64, temperature=0)
+    assert r.status_code == 200, r.text
+    resp = r.json()
+    assert resp["max_tool_calls"] == 1
+    assert [i["type"] for i in resp["output"]] == ["function_call"]
+    async with gw.runtime.db.connect() as conn:  # the receipt holds the bound the reply ran under
+        data = (await conn.execute(select(audit_events.c.data).where(
+            audit_events.c.name == "request.finished",
+            audit_events.c.request_id == resp["id"].removeprefix("resp_")))).scalar_one()
+    assert json.loads(data)["max_tool_calls"] == 1
+    r = await _post(gw, h, input="a", max_tool_calls=0)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tool_calls", r.text

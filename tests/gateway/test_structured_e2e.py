@@ -226,3 +226,21 @@ def test_auto_calls_are_parsed_out_of_the_text(server, stream):
         ids = [c["id"] for _, c in sorted(by_index.items())]
     assert calls == [("get_weather", {"city": "Paris"}), ("get_time", {})]
     assert len(set(ids)) == 2
+
+
+def test_a_required_list_of_calls_ends_at_the_bound(server):
+    """``tool_choice: required`` with parallel calls is a list of calls whose length the grammar bounds
+    (``maxItems``): the server's 8, or less where the policy says. Here the default model writes three
+    calls (94 tokens on 2026-12-01); under a policy of two, the list closes after the second and the reply
+    still ends as a call."""
+    served, key = server
+    model = _model_id(served, key)
+    kwargs = dict(model=model, messages=[{"role": "user", "content": "What time is it in every city?"}],
+                  tools=[TIME], tool_choice="required", max_tokens=200, temperature=0)
+    free = _client(served, key).chat.completions.create(**kwargs)
+    assert free.choices[0].finish_reason == "tool_calls" and len(free.choices[0].message.tool_calls) > 2
+    two = _client(served, served.make_key("two-calls", {"max_tool_calls": 2}))
+    bounded = two.chat.completions.create(**kwargs)
+    assert bounded.choices[0].finish_reason == "tool_calls", bounded
+    assert len(bounded.choices[0].message.tool_calls) == 2
+    assert bounded.usage.completion_tokens < free.usage.completion_tokens

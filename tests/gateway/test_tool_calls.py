@@ -219,3 +219,31 @@ async def test_long_tool_definitions_are_tokenized_off_the_event_loop(tiny_model
     assert pool.num_runs == 0
     await tokenize(tokenizer, _req(tools=[long]), pool=pool)
     assert pool.num_runs == 1
+
+
+def test_the_forced_list_holds_at_most_the_bound():
+    """Without ``maxItems`` a small model appended calls until ``max_tokens``; the bound is the least of the
+    server's, the policy's and the request's, and a bound of one is the single-call form."""
+    from gateway.inference.tools import max_tool_calls
+
+    req = _req(tools=TOOLS, tool_choice="required")
+    schema = forcing_schema(req, tool_mode(req, 2))
+    two = [{"name": "get_time", "arguments": {}}] * 2
+    assert schema["maxItems"] == 2 and jsonschema_rs.is_valid(schema, two)
+    assert not jsonschema_rs.is_valid(schema, [*two, two[0]])
+    assert "maxItems" not in forcing_schema(req, tool_mode(req))  # a receipt from before the bound
+    single = tool_mode(req, 1)
+    assert not single.parallel and jsonschema_rs.is_valid(forcing_schema(req, single), two[0])
+    assert max_tool_calls(req, 8, None) == 8 and max_tool_calls(req, 8, 3) == 3
+    assert max_tool_calls(req) is None
+
+
+def test_auto_keeps_at_most_the_bound_of_calls():
+    three = REPLY + '<tool_call>{"name": "get_time", "arguments": {"tz": "UTC"}}</tool_call>'
+    mode = ToolMode("auto", NAMES, max_calls=2)
+    content, calls = parse_reply(three, mode)
+    assert content == "Let me look." and [c.name for c in calls] == ["get_weather", "get_time"]
+    assert json.loads(calls[1].arguments) == {}
+    for cuts in ([7], [40, 41, 120], list(range(1, len(three), 5))):
+        assert [n for _, n, _ in _stream(three, mode, cuts)[1]] == ["get_weather", "get_time"]
+    assert len(parse_reply(three, AUTO)[1]) == 3
