@@ -137,26 +137,35 @@ class CallParser:
     def __init__(self, mode: ToolMode) -> None:
         self.mode = mode
         self.num_calls = 0
-        self._buf = ""
+        self._buf = ""  # outside a call: text not yet known to be content (at most a held-back tail)
+        # Inside a call, and a forced reply whole: its text in pieces, joined once, so that a reply of n
+        # characters costs O(n) however finely it streams (appending to one string copied it each time).
+        self._parts: list[str] = []
+        self._tail = ""  # a call's last len(CALL_CLOSE) - 1 characters, where its close may begin
         self._in_call = False
         self._named_id: str | None = None
 
     def feed(self, text: str) -> list[Piece]:
         if self.mode.kind == "named":
             return self._feed_named(text)
+        if self.mode.kind == "required":
+            self._parts.append(text)
+            return []
         self._buf += text
-        return [] if self.mode.kind == "required" else self._scan()
+        return self._scan()
 
     def finish(self) -> list[Piece]:
         if self.mode.kind == "named":
             return []
-        buf, self._buf = self._buf, ""
+        buf, self._buf, parts, self._parts = self._buf, "", self._parts, []
         if self.mode.kind == "required":
-            calls = _forced_calls(buf, self.mode)
-            return [Piece(content=buf)] if calls is None else [p for c in calls for p in self._emit(c)]
+            text = "".join(parts)
+            calls = _forced_calls(text, self.mode)
+            return [Piece(content=text)] if calls is None else [p for c in calls for p in self._emit(c)]
         if self._in_call:
-            call = _parse_block(buf, self.mode)
-            return self._emit(call) if call is not None else [Piece(content=CALL_OPEN + buf)]
+            block = "".join(parts) + buf
+            call = _parse_block(block, self.mode)
+            return self._emit(call) if call is not None else [Piece(content=CALL_OPEN + block)]
         return self._content(buf)
 
     def _feed_named(self, text: str) -> list[Piece]:
@@ -181,12 +190,26 @@ class CallParser:
                     return pieces
                 pieces += self._content(self._buf[:at])
                 self._buf, self._in_call = self._buf[at + len(CALL_OPEN):], True
-            at = self._buf.find(CALL_CLOSE)
-            if at < 0:
+            block = self._close()
+            if block is None:
                 return pieces
-            block, self._buf, self._in_call = self._buf[:at], self._buf[at + len(CALL_CLOSE):], False
             call = _parse_block(block, self.mode)
             pieces += self._emit(call) if call is not None else self._content(CALL_OPEN + block + CALL_CLOSE)
+
+    def _close(self) -> str | None:
+        """The call's whole block once the new text (``_buf``) closes it, the rest left in ``_buf``;
+        ``None`` while it runs on. Only the new text and the tail before it are searched."""
+        window = self._tail + self._buf
+        at = window.find(CALL_CLOSE)
+        if at < 0:
+            self._parts.append(self._buf)
+            self._buf, self._tail = "", window[max(0, len(window) - len(CALL_CLOSE) + 1):]
+            return None
+        text = "".join(self._parts) + self._buf
+        end = len(text) - len(window) + at
+        self._parts, self._tail, self._in_call = [], "", False
+        self._buf = text[end + len(CALL_CLOSE):]
+        return text[:end]
 
     def _content(self, text: str) -> list[Piece]:
         # Once a call was made, the blank lines around the next ones are no content.
