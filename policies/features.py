@@ -8,7 +8,8 @@ from dataclasses import dataclass
 from policies.decision import Violation
 from policies.models import Policy
 
-STRUCTURED_FEATURES = frozenset({"json_schema", "json_object", "regex", "choice", "grammar"})
+STRUCTURED_FEATURES = frozenset({"json_schema", "json_object", "regex", "choice", "grammar",
+                                 "structural_tag"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -16,10 +17,11 @@ class FeatureUse:
     """One feature a request uses.
 
     Attributes:
-        feature: ``json_schema``, ``json_object``, ``regex``, ``choice``, ``grammar``, ``tools``,
-            ``logit_bias`` or ``penalties``.
+        feature: ``json_schema``, ``json_object``, ``regex``, ``choice``, ``grammar``,
+            ``structural_tag``, ``tools``, ``logit_bias`` or ``penalties``.
         param: The request field that asks for it (named in a refusal).
-        num_schema_bytes: The size of the JSON schema it carries, as compact JSON (0 without one).
+        num_schema_bytes: The size of the JSON schema it carries, as compact JSON (a structural tag's: the
+            tag's, its schemas with it; 0 without one).
     """
 
     feature: str

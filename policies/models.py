@@ -42,13 +42,14 @@ class Policy(BaseModel):
         prompt_retention_days: Keep each request's prompt and completion, encrypted with the tenant's
             data key, for this many days (readable only with the ``retention:read`` admin scope);
             0, the default, stores neither.
-        allow_structured_outputs: Requests may constrain their reply (``response_format`` json_object or
-            json_schema, ``guided_*``).
+        allow_structured_outputs: Requests may constrain their reply (``response_format`` json_object,
+            json_schema or structural_tag, ``guided_*``, ``structured_outputs``).
         allow_tools: Requests may declare ``tools``.
         max_tool_calls: Most tool calls one chat reply may make; lowers the server's ``max_tool_calls``
             (never raises it). ``None``: the server's alone.
         max_schema_bytes: Largest JSON schema (a ``response_format``'s, ``guided_json``, each tool's
-            parameters), in bytes as compact JSON; ``None``: the server's cap (64 KiB) alone.
+            parameters; a structural tag's schemas together), in bytes as compact JSON; ``None``: the
+            server's cap (64 KiB) alone.
         trust_cache_salt: Requests may send a ``cache_salt``, mixed into their prefix-cache namespace.
             Only for a kvgate in front of this one: its tenants' namespaces arrive as salts, so each keeps
             a cache of its own here. Off, a request with a ``cache_salt`` is refused.

@@ -22,7 +22,7 @@ import torch
 from engine.errors import EngineUnavailableError, StructuredOutputError
 from engine.grammar.masks import WORKER_NICE
 from engine.grammar.work_queue import FairWorkQueue, QueueFullError
-from engine.structured import StructuredKind, StructuredOutput
+from engine.structured import StructuredKind, StructuredOutput, structural_tags
 
 COMPILE_TIMEOUT_S = 10.0  # a grammar not ready by then fails its request (a compile not started is dropped)
 TRIAL_BUDGET_S = 0.5      # a grammar's first token mask, computed with its compile, may take this long
@@ -56,8 +56,9 @@ def grammar_text(structured: StructuredOutput) -> str:
     kind = structured.kind
     if kind in ("json_object", "json_schema"):
         schema = structured.json_schema if kind == "json_schema" else '{"type": "object"}'
-        only = _only(llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=_JSON_OPTIONS))
-        lark = "start: %json " + json.dumps(only["json_schema"])
+        lark = "start: %json " + json.dumps(_json_grammar(schema))
+    elif kind == "structural_tag":
+        lark = _tags_grammar(structured.structural_tag or "")
     elif kind == "regex":
         lark = _only(llguidance.LLMatcher.grammar_from_regex(structured.regex))["lark_grammar"]
     elif kind == "choice":
@@ -65,6 +66,24 @@ def grammar_text(structured: StructuredOutput) -> str:
     else:
         lark = llguidance.grammar_from("grammar", structured.grammar)
     return lark + _NO_FORCING
+
+
+def _json_grammar(schema: str) -> dict:
+    """The schema with the JSON options every JSON output here takes (``_JSON_OPTIONS``)."""
+    top_level = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=_JSON_OPTIONS)
+    return _only(top_level)["json_schema"]
+
+
+def _tags_grammar(spec: str) -> str:
+    """A structural tag's grammar as vLLM's guidance backend builds it: free text, and after each trigger
+    the begin of a structure that starts with it, JSON valid against its schema, and its end."""
+    structures, triggers = structural_tags(spec)
+    tags = []
+    for s in structures:
+        trigger = next(t for t in triggers if s["begin"].startswith(t))
+        tags.append(llguidance.StructTag(trigger=trigger, begin=s["begin"], end=s["end"],
+                                         grammar=_json_grammar(json.dumps(s["schema"]))))
+    return llguidance.StructTag.to_grammar(tags)
 
 
 def _only(top_level: str) -> dict:

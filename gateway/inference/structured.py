@@ -18,7 +18,7 @@ from gateway.errors import InvalidRequest, PolicyViolation, ServiceUnavailable
 from gateway.inference.legacy_functions import as_tools, legacy_param, named_as_sent, uses_functions
 from gateway.inference.tools import ToolMode, forcing_schema, max_tool_calls, parameters, tool_mode
 from gateway.schemas.openai import ChatCompletionRequest, CompletionRequest
-from gateway.schemas.openai_tools import schema_bytes
+from gateway.schemas.openai_tools import StructuredOutputs, schema_bytes
 from policies import FeatureUse, Policy, check_features
 
 _MAX_MESSAGE_CHARS = 300
@@ -54,6 +54,8 @@ def _sources(req: ChatCompletionRequest | CompletionRequest) -> list[tuple[str, 
         found.append(("json_schema", "response_format.json_schema.schema", {"json_schema": schema}))
     elif fmt is not None and fmt.type == "json_object":
         found.append(("json_object", "response_format", {"json_object": True}))
+    elif fmt is not None and fmt.type == "structural_tag":
+        found.append(("structural_tag", "response_format", {"structural_tag": fmt.tags_spec()}))
     if req.guided_json is not None:
         found.append(("json_schema", "guided_json", {"json_schema": orjson.dumps(req.guided_json).decode()}))
     if req.guided_regex is not None:
@@ -62,14 +64,28 @@ def _sources(req: ChatCompletionRequest | CompletionRequest) -> list[tuple[str, 
         found.append(("choice", "guided_choice", {"choice": tuple(req.guided_choice)}))
     if req.guided_grammar is not None:
         found.append(("grammar", "guided_grammar", {"grammar": req.guided_grammar}))
-    return found
+    return found + _structured_outputs(req.structured_outputs)
+
+
+def _structured_outputs(spec: StructuredOutputs | None) -> list[tuple[str, str, dict[str, Any]]]:
+    """vLLM's ``structured_outputs``, as the ``guided_*`` field of its kind would be read."""
+    if spec is None:
+        return []
+    if spec.json_ is not None:
+        schema = orjson.dumps(spec.json_).decode()
+        return [("json_schema", "structured_outputs.json", {"json_schema": schema})]
+    if spec.json_object:
+        return [("json_object", "structured_outputs.json_object", {"json_object": True})]
+    kind = next(k for k in ("regex", "choice", "grammar", "structural_tag") if getattr(spec, k) is not None)
+    value = getattr(spec, kind)
+    return [(kind, f"structured_outputs.{kind}", {kind: tuple(value) if kind == "choice" else value})]
 
 
 def _uses(req: ChatCompletionRequest | CompletionRequest, sources: list) -> list[FeatureUse]:
     uses = []
     for feature, param, spec in sources:
-        size = len(spec["json_schema"]) if "json_schema" in spec else 0
-        uses.append(FeatureUse(feature, param, size))
+        text = spec.get("json_schema") or spec.get("structural_tag") or ""  # a tag's schemas with it
+        uses.append(FeatureUse(feature, param, len(text)))
     for i, tool in enumerate(getattr(req, "tools", None) or []):
         uses.append(FeatureUse("tools", f"tools.{i}.function.parameters", schema_bytes(parameters(tool))))
     if req.logit_bias:
@@ -120,8 +136,9 @@ def _constraint(req: ChatCompletionRequest | CompletionRequest, mode: ToolMode |
                 cache_key: str) -> Constraint:
     sources = _sources(req)
     if len(sources) > 1:
-        raise InvalidRequest("At most one of response_format (json), guided_json, guided_regex, "
-                             "guided_choice and guided_grammar may be given.", param=sources[1][1])
+        raise InvalidRequest("At most one of response_format (json or structural_tag), guided_json, "
+                             "guided_regex, guided_choice, guided_grammar and structured_outputs may be "
+                             "given.", param=sources[1][1])
     if mode is not None and mode.is_forced and sources:
         raise InvalidRequest("A forced tool_choice cannot be combined with a structured output.",
                              param="tool_choice")
@@ -133,6 +150,9 @@ def _constraint(req: ChatCompletionRequest | CompletionRequest, mode: ToolMode |
     for use in uses:
         if use.feature == "json_schema":
             _check_metaschema(_json_schema(req, use.param), use.param)
+        if use.feature == "structural_tag":
+            for schema, param in _tag_schemas(req, use.param):
+                _check_metaschema(schema, param)
     for i, tool in enumerate(getattr(req, "tools", None) or []):
         _check_metaschema(parameters(tool), f"tools.{i}.function.parameters")
     features = tuple(dict.fromkeys(u.feature for u in uses))
@@ -172,7 +192,18 @@ def _engine_constraint(
 def _json_schema(req: ChatCompletionRequest | CompletionRequest, param: str) -> Any:
     if param == "guided_json":
         return req.guided_json
+    if param == "structured_outputs.json":
+        return req.structured_outputs.json_  # type: ignore[union-attr]
     return req.response_format.json_schema.schema_  # type: ignore[union-attr]
+
+
+def _tag_schemas(req: ChatCompletionRequest | CompletionRequest, param: str) -> list[tuple[Any, str]]:
+    """A structural tag's schemas, each with the field it came in."""
+    if param == "response_format":
+        structures = req.response_format.structures or []  # type: ignore[union-attr]
+        return [(s.schema_, f"response_format.structures.{i}.schema") for i, s in enumerate(structures)]
+    spec = orjson.loads(req.structured_outputs.structural_tag)  # type: ignore[union-attr]
+    return [(s["schema"], param) for s in spec["structures"]]
 
 
 def _structured(spec: dict[str, Any], cache_key: str, param: str = "tool_choice") -> StructuredOutput:

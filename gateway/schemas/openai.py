@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal
 
-import orjson
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -20,11 +19,12 @@ from gateway.schemas.openai_tools import (
     MAX_TOOLS,
     LegacyFunctionFields,
     ResponseFormat,
+    StructuredOutputs,
     Tool,
     ToolCall,
     ToolCallFunction,
     ToolChoice,
-    check_schema_shape,
+    schema_from,
 )
 from policies import Determinism
 
@@ -153,6 +153,9 @@ class SamplingFields(_Strict):
         guided_json, guided_regex, guided_choice, guided_grammar: What the generated text must match (a
             JSON schema, a regular expression, one of a list of strings, a Lark or GBNF grammar); at most
             one, and not with a JSON ``response_format``.
+        structured_outputs: vLLM's current form of ``guided_*`` (``StructuredOutputs``): one of ``json``,
+            ``regex``, ``choice``, ``grammar``, ``json_object`` and ``structural_tag``; the one constraint
+            of the request.
     """
 
     model: str = Field(min_length=1, max_length=256)
@@ -188,6 +191,7 @@ class SamplingFields(_Strict):
     guided_regex: str | None = Field(default=None, min_length=1, max_length=16_384)  # extension
     guided_choice: Annotated[list[_Choice], Field(min_length=1, max_length=1024)] | None = None  # extension
     guided_grammar: str | None = Field(default=None, min_length=1, max_length=65_536)  # extension
+    structured_outputs: StructuredOutputs | None = None  # extension: vLLM's form of guided_*
     priority: int | None = Field(default=None, ge=-1000, le=1000)  # extension, within the tenant's policy
     request_id: str | None = Field(default=None, min_length=1, max_length=128,  # extension
                                    pattern=r"^[A-Za-z0-9._:-]+$")
@@ -197,16 +201,7 @@ class SamplingFields(_Strict):
     @field_validator("guided_json")
     @classmethod
     def _check_guided_json(cls, schema: dict[str, Any] | str | None) -> dict[str, Any] | None:
-        if isinstance(schema, str):  # a schema sent as JSON text, as vLLM also takes it
-            if len(schema) > 4 * 65_536:
-                raise ValueError("the schema is too large")
-            try:
-                schema = orjson.loads(schema)
-            except orjson.JSONDecodeError:
-                raise ValueError("the schema is not valid JSON") from None
-            if not isinstance(schema, dict):
-                raise ValueError("the schema must be a JSON object")
-        return schema if schema is None else check_schema_shape(schema)
+        return schema if schema is None else schema_from(schema)
 
     @field_validator("truncate_prompt_tokens")
     @classmethod

@@ -63,6 +63,25 @@ def check_schema_shape(schema: dict[str, Any]) -> dict[str, Any]:
     return schema
 
 
+def schema_from(schema: dict[str, Any] | str) -> dict[str, Any]:
+    """A schema sent as an object or as JSON text (as vLLM also takes it), checked by
+    ``check_schema_shape``.
+
+    Raises:
+        ValueError: Text over four times the size cap, not JSON, or no JSON object.
+    """
+    if isinstance(schema, str):
+        if len(schema) > 4 * MAX_SCHEMA_BYTES:
+            raise ValueError("the schema is too large")
+        try:
+            schema = orjson.loads(schema)
+        except orjson.JSONDecodeError:
+            raise ValueError("the schema is not valid JSON") from None
+        if not isinstance(schema, dict):
+            raise ValueError("the schema must be a JSON object")
+    return check_schema_shape(schema)
+
+
 class JsonSchemaSpec(_Strict):
     """``response_format.json_schema``: the schema the reply must validate against."""
 
@@ -77,18 +96,132 @@ class JsonSchemaSpec(_Strict):
         return check_schema_shape(schema)
 
 
-class ResponseFormat(_Strict):
-    """``text`` (no constraint), ``json_object`` (any JSON object) or ``json_schema`` (with
-    ``json_schema``). One model rather than a tagged union, so that an error's ``param`` is the field's
-    path (a union's would hold the tag)."""
+class StructuralTag(_Strict):
+    """One structure of vLLM's structural tag: after ``begin``, JSON valid against ``schema``, then
+    ``end``."""
 
-    type: Literal["text", "json_object", "json_schema"]
+    begin: Annotated[str, Field(min_length=1, max_length=1024)]
+    schema_: dict[str, Any] = Field(alias="schema")
+    end: Annotated[str, Field(max_length=1024)]
+
+    @field_validator("schema_")
+    @classmethod
+    def _check_schema(cls, schema: dict[str, Any]) -> dict[str, Any]:
+        return check_schema_shape(schema)
+
+
+_Tags = Annotated[list[StructuralTag], Field(min_length=1, max_length=MAX_TOOLS)]
+_Triggers = Annotated[list[Annotated[str, Field(min_length=1, max_length=1024)]],
+                      Field(min_length=1, max_length=MAX_TOOLS)]
+
+
+def check_triggers(structures: list[StructuralTag], triggers: list[str]) -> None:
+    """Each structure's ``begin`` starts with a trigger, which is what makes it begin.
+
+    Raises:
+        ValueError: One does not.
+    """
+    for i, s in enumerate(structures):
+        if not any(s.begin.startswith(t) for t in triggers):
+            raise ValueError(f"structures[{i}].begin starts with none of the triggers")
+
+
+def tags_spec(structures: list[StructuralTag], triggers: list[str]) -> str:
+    """A structural tag as the engine's JSON text (``engine.structured``)."""
+    return orjson.dumps({"structures": [s.model_dump(by_alias=True) for s in structures],
+                         "triggers": triggers}).decode()
+
+
+class StructuralTagSpec(_Strict):
+    """vLLM's structural tag as JSON text (``structured_outputs.structural_tag``)."""
+
+    type: Literal["structural_tag"] | None = None
+    structures: _Tags
+    triggers: _Triggers
+
+    @model_validator(mode="after")
+    def _check_triggers(self) -> StructuralTagSpec:
+        check_triggers(self.structures, self.triggers)
+        return self
+
+
+class ResponseFormat(_Strict):
+    """``text`` (no constraint), ``json_object`` (any JSON object), ``json_schema`` (with
+    ``json_schema``) or vLLM's ``structural_tag`` (with ``structures`` and ``triggers``: free text in which
+    each structure's ``begin``, which starts with a trigger, is followed by JSON valid against its
+    ``schema`` and its ``end``). One model rather than a tagged union, so that an error's ``param`` is the
+    field's path (a union's would hold the tag)."""
+
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: JsonSchemaSpec | None = None
+    structures: _Tags | None = None
+    triggers: _Triggers | None = None
 
     @model_validator(mode="after")
     def _check_json_schema(self) -> ResponseFormat:
         if (self.type == "json_schema") != (self.json_schema is not None):
             raise ValueError("json_schema is required with type json_schema, and only allowed with it")
+        is_tag = self.type == "structural_tag"
+        if is_tag != (self.structures is not None) or is_tag != (self.triggers is not None):
+            raise ValueError("structures and triggers are required with type structural_tag, and only "
+                             "allowed with it")
+        if self.structures is not None and self.triggers is not None:
+            check_triggers(self.structures, self.triggers)
+        return self
+
+    def tags_spec(self) -> str | None:
+        """The structural tag as the engine's JSON text; ``None`` for the other types."""
+        if self.structures is None or self.triggers is None:
+            return None
+        return tags_spec(self.structures, self.triggers)
+
+
+_Choice = Annotated[str, Field(min_length=1, max_length=1024)]
+STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's ``structured_outputs`` (its current form of ``guided_*``): exactly one of ``json`` (a JSON
+    schema, as an object or JSON text), ``regex``, ``choice``, ``grammar`` (Lark or GBNF), ``json_object``
+    (``true``: any JSON object) and ``structural_tag`` (JSON text of ``{"structures", "triggers"}``), under
+    the caps of ``guided_*``. ``disable_any_whitespace`` and ``disable_fallback`` change nothing: JSON here
+    never has free whitespace, and one grammar library serves every request."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = Field(default=None, min_length=1, max_length=16_384)
+    choice: Annotated[list[_Choice], Field(min_length=1, max_length=1024)] | None = None
+    grammar: str | None = Field(default=None, min_length=1, max_length=65_536)
+    json_object: Literal[True] | None = None
+    structural_tag: str | None = Field(default=None, min_length=1, max_length=4 * MAX_SCHEMA_BYTES)
+    disable_any_whitespace: bool = False
+    disable_fallback: bool = False
+
+    @field_validator("json_")
+    @classmethod
+    def _check_json(cls, schema: dict[str, Any] | str | None) -> dict[str, Any] | None:
+        return schema if schema is None else schema_from(schema)
+
+    @field_validator("structural_tag")
+    @classmethod
+    def _check_structural_tag(cls, text: str | None) -> str | None:
+        if text is None:
+            return None
+        try:
+            spec = StructuralTagSpec.model_validate_json(text)
+        except ValidationError as e:
+            first = e.errors(include_url=False)[0]
+            where = ".".join(str(p) for p in first["loc"])
+            at = f" at {where}" if where else ""
+            raise ValueError(f"not a structural tag{at}: {first['msg']}") from None
+        return tags_spec(spec.structures, spec.triggers)
+
+    @model_validator(mode="after")
+    def _check_one(self) -> StructuredOutputs:
+        given = [k for k in STRUCTURED_OUTPUT_KINDS
+                 if getattr(self, "json_" if k == "json" else k) is not None]
+        if len(given) != 1:
+            raise ValueError(f"give exactly one of {', '.join(STRUCTURED_OUTPUT_KINDS)}; got "
+                             f"{', '.join(given) or 'none'}")
         return self
 
 

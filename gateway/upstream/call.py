@@ -48,7 +48,8 @@ def prepare(target: Target, req: ChatCompletionRequest | CompletionRequest, kind
     route = target.route
     salt = cache_salt(salt_key, namespace)
     affinity = affinity_key(namespace, prompt_ids, route.affinity_blocks)
-    body = req.model_dump(mode="json", exclude_unset=True, exclude=_OWN_FIELDS)
+    # By alias: a schema goes as "schema" (and structured_outputs' as "json"), the names the pool reads.
+    body = req.model_dump(mode="json", by_alias=True, exclude_unset=True, exclude=_OWN_FIELDS)
     body |= {"model": route.upstream_model or req.model, "max_tokens": max_tokens, "stream": True,
              "stream_options": _stream_options(req, route.kind)}
     if route.kind in ("vllm", "kvgate"):

@@ -88,6 +88,28 @@ def test_json_object_regex_choice_and_grammars(engine):
     assert [o.finish_reason for o in outs[1:3]] == ["stop", "stop"] and outs[4].finish_reason == "stop"
 
 
+def test_a_structural_tag_holds_each_triggered_segment(engine):
+    """Free text, but after each trigger the begin of its structure, JSON valid against the schema and
+    the end; sampled, so that the model writes triggers a greedy run might not."""
+    tag = {"triggers": ["e"], "structures": [
+        {"begin": "e", "schema": {"type": "integer", "minimum": 0, "maximum": 9}, "end": "!"}]}
+    spec = StructuredOutput(structural_tag=json.dumps(tag))
+    assert spec.kind == "structural_tag" and json.loads(spec.spec) == tag
+    params = SamplingParams(temperature=1.0, seed=5, max_tokens=40, n=4, structured=spec)
+    [out] = engine.generate(["Go"], params)
+    texts = [o.text for o in out.outputs]
+    assert any("e" in t for t in texts), texts
+    for o in out.outputs:  # one that max_tokens cut may end inside a segment
+        tail = r"(?:e[0-9]?)?" if o.finish_reason == "length" else ""
+        assert re.fullmatch(r"(?:[^e]|e[0-9]!)*" + tail, o.text), o.text
+    for bad, why in (({"triggers": ["x"], "structures": tag["structures"]}, "none of the triggers"),
+                     ({"triggers": ["e"], "structures": []}, "structures"),
+                     ({"triggers": ["e"], "structures": [{"begin": "e", "end": "!",
+                                                          "schema": {"pattern": "a{100}{100}"}}]}, "10,000")):
+        with pytest.raises(StructuredOutputError, match=why):
+            StructuredOutput(structural_tag=json.dumps(bad))
+
+
 def test_the_grammars_end_stops_the_sequence_even_with_ignore_eos(engine):
     params = SamplingParams(temperature=1.0, seed=1, max_tokens=50, ignore_eos=True, min_tokens=40,
                             structured=StructuredOutput(choice=("ok",)))

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
+import pytest_asyncio
 from litestar.testing import AsyncTestClient
 from sqlalchemy import text
 
@@ -261,6 +262,16 @@ async def open_gateway(
 @pytest.fixture
 async def gw(tmp_path: Path, sqlite_url: str, llm: object) -> AsyncIterator[Gateway]:
     async for g in open_gateway(tmp_path, sqlite_url, llm):
+        yield g
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def mgw(tmp_path_factory: pytest.TempPathFactory, llm: object) -> AsyncIterator[Gateway]:
+    """One gateway for the module, on the module's loop (its tests marked
+    ``pytest.mark.asyncio(loop_scope="module")``), for tests that each ask as a new tenant and need no
+    fresh database: a migration and an app start once, not per test."""
+    data_dir = tmp_path_factory.mktemp("module-gateway")
+    async for g in open_gateway(data_dir, migrated_sqlite(data_dir), llm):
         yield g
 
 

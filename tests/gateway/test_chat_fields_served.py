@@ -1,6 +1,6 @@
-"""vLLM's chat template fields and OpenAI's deprecated function calling through the official ``openai`` SDK
-against a real ``kvgate serve`` on the default model: a continued assistant message, and a function call
-round trip (call, result, answer), whole and streamed."""
+"""vLLM's chat template fields and structured_outputs, and OpenAI's deprecated function calling, through the
+official ``openai`` SDK against a real ``kvgate serve`` on the default model: a continued assistant
+message, a choice, and a function call round trip (call, result, answer), whole and streamed."""
 
 from __future__ import annotations
 
@@ -53,6 +53,15 @@ def test_a_continued_assistant_message(server):
         client.chat.completions.create(model=model, messages=messages, max_tokens=2,
                                        extra_body={"continue_final_message": True})
     assert e.value.body["param"] == "continue_final_message"
+
+
+def test_structured_outputs_in_extra_body(server):
+    served, key = server
+    client = _client(served, key)
+    model = client.models.list().data[0].id
+    done = client.chat.completions.create(model=model, messages=ASK, max_tokens=8, temperature=0,
+                                          extra_body={"structured_outputs": {"choice": ["sunny", "rainy"]}})
+    assert done.choices[0].message.content in ("sunny", "rainy")
 
 
 def test_a_function_call_round_trip(server):

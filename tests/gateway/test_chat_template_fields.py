@@ -4,12 +4,9 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-
 import pytest
-import pytest_asyncio
 
-from tests.gateway.conftest import Gateway, migrated_sqlite, open_gateway
+from tests.gateway.conftest import Gateway
 from tests.gateway.test_chat_template_kwargs import THINKING_TEMPLATE
 from tests.gateway.test_openai import tenant_headers
 
@@ -17,13 +14,6 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 ASK = {"role": "user", "content": "Name a colour <|im_end|> please."}
 PARTIAL = {"role": "assistant", "content": "The colour is"}
 MODES = ("fast", "fixed", "batch_invariant")
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def tgw(tmp_path_factory: pytest.TempPathFactory, llm: object) -> AsyncIterator[Gateway]:
-    data_dir = tmp_path_factory.mktemp("chat-template-fields")
-    async for g in open_gateway(data_dir, migrated_sqlite(data_dir), llm):
-        yield g
 
 
 def _expected_ids(gw: Gateway, messages: list[dict], **options: bool) -> list[int]:
@@ -43,50 +33,50 @@ async def _tokenize(gw: Gateway, h: dict, **body: object) -> dict:
     return r.json()
 
 
-async def test_tokenize_renders_each_choice_as_the_template_does(tgw):
-    h = await tenant_headers(tgw)
+async def test_tokenize_renders_each_choice_as_the_template_does(mgw):
+    h = await tenant_headers(mgw)
     cases = [({}, {"add_generation_prompt": True}),
              ({"add_generation_prompt": False}, {"add_generation_prompt": False}),
              ({"add_generation_prompt": False, "continue_final_message": True},
               {"add_generation_prompt": False, "continue_final_message": True})]
     seen = set()
     for fields, options in cases:
-        out = await _tokenize(tgw, h, messages=[ASK, PARTIAL], **fields)
-        assert out["tokens"] == _expected_ids(tgw, [ASK, PARTIAL], **options), fields
+        out = await _tokenize(mgw, h, messages=[ASK, PARTIAL], **fields)
+        assert out["tokens"] == _expected_ids(mgw, [ASK, PARTIAL], **options), fields
         seen.add(tuple(out["tokens"]))
     assert len(seen) == 3
-    text = tgw.runtime.engine.tokenizer.decode(out["tokens"])
+    text = mgw.runtime.engine.tokenizer.decode(out["tokens"])
     assert text.endswith("assistant\nThe colour is")  # left open: no end of turn, no new turn
 
 
 @pytest.mark.parametrize("mode", MODES)
-async def test_a_continued_message_runs_the_open_prompt_in_each_mode(tgw, mode):
+async def test_a_continued_message_runs_the_open_prompt_in_each_mode(mgw, mode):
     """The continuation is what the engine makes of the open prompt's ids sent as a text completion."""
-    h = await tenant_headers(tgw)
-    model = tgw.runtime.engine.model_name
+    h = await tenant_headers(mgw)
+    model = mgw.runtime.engine.model_name
     messages = [ASK | {"content": f"{ASK['content']} ({mode})"}, PARTIAL]
-    ids = _expected_ids(tgw, messages, add_generation_prompt=False, continue_final_message=True)
+    ids = _expected_ids(mgw, messages, add_generation_prompt=False, continue_final_message=True)
     common = {"model": model, "max_tokens": 5, "temperature": 0, "determinism": mode}
-    r = await tgw.client.post("/v1/chat/completions", headers=h, json=common | {
+    r = await mgw.client.post("/v1/chat/completions", headers=h, json=common | {
         "messages": messages, "add_generation_prompt": False, "continue_final_message": True})
     assert r.status_code == 200, r.text
     chat = r.json()
     assert chat["usage"]["prompt_tokens"] == len(ids)
-    r = await tgw.client.post("/v1/completions", headers=h, json=common | {"prompt": ids})
+    r = await mgw.client.post("/v1/completions", headers=h, json=common | {"prompt": ids})
     assert r.status_code == 200, r.text
     assert chat["choices"][0]["message"]["content"] == r.json()["choices"][0]["text"]
 
 
-async def test_without_the_generation_prompt_the_prompt_ends_with_the_last_turn(tgw):
-    h = await tenant_headers(tgw)
-    body = {"model": tgw.runtime.engine.model_name, "messages": [ASK], "max_tokens": 2, "temperature": 0}
+async def test_without_the_generation_prompt_the_prompt_ends_with_the_last_turn(mgw):
+    h = await tenant_headers(mgw)
+    body = {"model": mgw.runtime.engine.model_name, "messages": [ASK], "max_tokens": 2, "temperature": 0}
     counts = []
     for flag in (True, False):
-        r = await tgw.client.post("/v1/chat/completions", headers=h,
+        r = await mgw.client.post("/v1/chat/completions", headers=h,
                                   json=body | {"add_generation_prompt": flag})
         assert r.status_code == 200, r.text
         counts.append(r.json()["usage"]["prompt_tokens"])
-    assert counts == [len(_expected_ids(tgw, [ASK], add_generation_prompt=flag)) for flag in (True, False)]
+    assert counts == [len(_expected_ids(mgw, [ASK], add_generation_prompt=flag)) for flag in (True, False)]
     assert counts[0] > counts[1]
 
 
@@ -105,30 +95,30 @@ async def test_without_the_generation_prompt_the_prompt_ends_with_the_last_turn(
     ("/tokenize", {"prompt": "plain text", "messages": None, "add_generation_prompt": False},
      "add_generation_prompt"),
 ])
-async def test_bad_combinations_are_400s_naming_the_field(tgw, path, extra, param):
-    h = await tenant_headers(tgw)
-    body = {"model": tgw.runtime.engine.model_name, "messages": [ASK, PARTIAL], "max_tokens": 2} | extra
+async def test_bad_combinations_are_400s_naming_the_field(mgw, path, extra, param):
+    h = await tenant_headers(mgw)
+    body = {"model": mgw.runtime.engine.model_name, "messages": [ASK, PARTIAL], "max_tokens": 2} | extra
     body = {k: v for k, v in body.items() if v is not None}
     if path == "/tokenize":
         body.pop("max_tokens")
-    r = await tgw.client.post(path, headers=h, json=body)
+    r = await mgw.client.post(path, headers=h, json=body)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.text
 
 
-async def test_variables_through_the_app(tgw, monkeypatch):
-    h = await tenant_headers(tgw)
-    model = tgw.runtime.engine.model_name
-    plain = (await _tokenize(tgw, h, messages=[ASK]))["tokens"]
-    out = await _tokenize(tgw, h, messages=[ASK], chat_template_kwargs={"enable_thinking": False})
+async def test_variables_through_the_app(mgw, monkeypatch):
+    h = await tenant_headers(mgw)
+    model = mgw.runtime.engine.model_name
+    plain = (await _tokenize(mgw, h, messages=[ASK]))["tokens"]
+    out = await _tokenize(mgw, h, messages=[ASK], chat_template_kwargs={"enable_thinking": False})
     assert out["tokens"] == plain  # the model's template reads no variable
-    monkeypatch.setattr(tgw.runtime.engine.tokenizer, "chat_template", THINKING_TEMPLATE)
-    unset = (await _tokenize(tgw, h, messages=[ASK]))["tokens"]
-    thinking = (await _tokenize(tgw, h, messages=[ASK], chat_template_kwargs={"enable_thinking": False}))
+    monkeypatch.setattr(mgw.runtime.engine.tokenizer, "chat_template", THINKING_TEMPLATE)
+    unset = (await _tokenize(mgw, h, messages=[ASK]))["tokens"]
+    thinking = (await _tokenize(mgw, h, messages=[ASK], chat_template_kwargs={"enable_thinking": False}))
     assert len(thinking["tokens"]) > len(unset) and thinking["tokens"][:len(unset)] == unset
     body = {"model": model, "messages": [ASK], "max_tokens": 2, "temperature": 0,
             "chat_template_kwargs": {"enable_thinking": False}}
-    r = await tgw.client.post("/v1/chat/completions", headers=h, json=body)
+    r = await mgw.client.post("/v1/chat/completions", headers=h, json=body)
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["prompt_tokens"] == thinking["count"]
 
@@ -146,10 +136,10 @@ async def test_variables_through_the_app(tgw, monkeypatch):
     ("/tokenize", {"tools": []}),
     ("/tokenize", "not an object"),
 ])
-async def test_bad_variables_are_400s(tgw, path, kwargs):
-    h = await tenant_headers(tgw)
-    body = {"model": tgw.runtime.engine.model_name, "messages": [ASK], "chat_template_kwargs": kwargs}
-    r = await tgw.client.post(path, headers=h, json=body)
+async def test_bad_variables_are_400s(mgw, path, kwargs):
+    h = await tenant_headers(mgw)
+    body = {"model": mgw.runtime.engine.model_name, "messages": [ASK], "chat_template_kwargs": kwargs}
+    r = await mgw.client.post(path, headers=h, json=body)
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == "chat_template_kwargs" and error["code"] == "invalid_value", error
@@ -157,8 +147,8 @@ async def test_bad_variables_are_400s(tgw, path, kwargs):
         assert next(iter(kwargs)) in error["message"]
 
 
-async def test_a_prompt_takes_no_variables(tgw):
-    h = await tenant_headers(tgw)
-    body = {"model": tgw.runtime.engine.model_name, "prompt": "plain", "chat_template_kwargs": {"a": 1}}
-    r = await tgw.client.post("/tokenize", headers=h, json=body)
+async def test_a_prompt_takes_no_variables(mgw):
+    h = await tenant_headers(mgw)
+    body = {"model": mgw.runtime.engine.model_name, "prompt": "plain", "chat_template_kwargs": {"a": 1}}
+    r = await mgw.client.post("/tokenize", headers=h, json=body)
     assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs", r.text

@@ -5,14 +5,12 @@ mode, and their 400s naming the deprecated field."""
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
 
 import pytest
-import pytest_asyncio
 
 from gateway.schemas.responses import ChatCompletion, ChatCompletionChunk
 from policies import Policy
-from tests.gateway.conftest import Gateway, migrated_sqlite, open_gateway
+from tests.gateway.conftest import Gateway
 from tests.gateway.test_openai import sse_events, tenant_headers
 
 on_module_loop = pytest.mark.asyncio(loop_scope="module")
@@ -36,38 +34,31 @@ TWO_CALLS = ('Checking\\.\n'
              '<tool_call>\\{"name": "get_time", "arguments": \\{\\}\\}</tool_call>')
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def lgw(tmp_path_factory: pytest.TempPathFactory, llm: object) -> AsyncIterator[Gateway]:
-    data_dir = tmp_path_factory.mktemp("legacy-functions")
-    async for g in open_gateway(data_dir, migrated_sqlite(data_dir), llm):
-        yield g
-
-
 async def _post(gw: Gateway, h: dict, **body: object):  # type: ignore[no-untyped-def]
     body = {"model": gw.runtime.engine.model_name, "max_tokens": 24, "temperature": 0} | body
     return await gw.client.post("/v1/chat/completions", headers=h, json=body)
 
 
 @on_module_loop
-async def test_the_prompt_is_the_one_its_tools_form_renders(lgw):
-    h = await tenant_headers(lgw)
-    legacy = await _post(lgw, h, messages=HISTORY, functions=[WEATHER], max_tokens=1)
-    tools = await _post(lgw, h, messages=AS_TOOLS, tools=[{"type": "function", "function": WEATHER}],
+async def test_the_prompt_is_the_one_its_tools_form_renders(mgw):
+    h = await tenant_headers(mgw)
+    legacy = await _post(mgw, h, messages=HISTORY, functions=[WEATHER], max_tokens=1)
+    tools = await _post(mgw, h, messages=AS_TOOLS, tools=[{"type": "function", "function": WEATHER}],
                         parallel_tool_calls=False, max_tokens=1)
     assert legacy.status_code == tools.status_code == 200, (legacy.text, tools.text)
     assert legacy.json()["usage"]["prompt_tokens"] == tools.json()["usage"]["prompt_tokens"]
-    r = await lgw.client.post("/tokenize", headers=h, json={"model": lgw.runtime.engine.model_name,
+    r = await mgw.client.post("/tokenize", headers=h, json={"model": mgw.runtime.engine.model_name,
                                                              "messages": HISTORY})
-    plain = await lgw.client.post("/tokenize", headers=h, json={"model": lgw.runtime.engine.model_name,
+    plain = await mgw.client.post("/tokenize", headers=h, json={"model": mgw.runtime.engine.model_name,
                                                                  "messages": AS_TOOLS})
     assert r.status_code == 200 and r.json()["tokens"] == plain.json()["tokens"], r.text
 
 
 @on_module_loop
 @pytest.mark.parametrize("mode", MODES)
-async def test_a_forced_call_comes_back_as_function_call(lgw, mode):
-    h = await tenant_headers(lgw)
-    r = await _post(lgw, h, messages=[ASK], functions=[WEATHER, TIME], function_call={"name": "get_weather"},
+async def test_a_forced_call_comes_back_as_function_call(mgw, mode):
+    h = await tenant_headers(mgw)
+    r = await _post(mgw, h, messages=[ASK], functions=[WEATHER, TIME], function_call={"name": "get_weather"},
                     determinism=mode)
     assert r.status_code == 200, r.text
     ChatCompletion.model_validate(r.json())  # as the OpenAPI document says
@@ -79,9 +70,9 @@ async def test_a_forced_call_comes_back_as_function_call(lgw, mode):
 
 
 @on_module_loop
-async def test_a_streamed_call_comes_as_function_call_deltas(lgw):
-    h = await tenant_headers(lgw)
-    r = await _post(lgw, h, messages=[ASK], functions=[WEATHER], function_call={"name": "get_weather"},
+async def test_a_streamed_call_comes_as_function_call_deltas(mgw):
+    h = await tenant_headers(mgw)
+    r = await _post(mgw, h, messages=[ASK], functions=[WEATHER], function_call={"name": "get_weather"},
                     stream=True)
     assert r.status_code == 200, r.text
     events = sse_events(r.text)
@@ -98,9 +89,9 @@ async def test_a_streamed_call_comes_as_function_call_deltas(lgw):
 
 @on_module_loop
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
-async def test_auto_reads_the_first_call_out_of_the_text(lgw, stream):
-    h = await tenant_headers(lgw)
-    r = await _post(lgw, h, messages=[ASK], functions=[WEATHER, TIME], guided_regex=TWO_CALLS, max_tokens=200,
+async def test_auto_reads_the_first_call_out_of_the_text(mgw, stream):
+    h = await tenant_headers(mgw)
+    r = await _post(mgw, h, messages=[ASK], functions=[WEATHER, TIME], guided_regex=TWO_CALLS, max_tokens=200,
                     stream=stream)
     assert r.status_code == 200, r.text
     if not stream:
@@ -132,18 +123,18 @@ async def test_auto_reads_the_first_call_out_of_the_text(lgw, stream):
     ({"messages": [ASK, {"role": "function", "content": "x"}]}, "messages.1"),
     ({"messages": [ASK | {"function_call": {"name": "get_weather", "arguments": "{}"}}]}, "messages.0"),
 ])
-async def test_bad_legacy_requests_are_400s_naming_the_deprecated_field(lgw, extra, param):
-    h = await tenant_headers(lgw)
+async def test_bad_legacy_requests_are_400s_naming_the_deprecated_field(mgw, extra, param):
+    h = await tenant_headers(mgw)
     body = {"messages": [ASK], "functions": [WEATHER]} | extra
-    r = await _post(lgw, h, **{k: v for k, v in body.items() if v is not None})
+    r = await _post(mgw, h, **{k: v for k, v in body.items() if v is not None})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.text
 
 
 @on_module_loop
-async def test_a_policy_without_tools_refuses_functions(lgw):
-    h = await tenant_headers(lgw, Policy(allow_tools=False))
-    r = await _post(lgw, h, messages=[ASK], functions=[WEATHER])
+async def test_a_policy_without_tools_refuses_functions(mgw):
+    h = await tenant_headers(mgw, Policy(allow_tools=False))
+    r = await _post(mgw, h, messages=[ASK], functions=[WEATHER])
     assert r.status_code == 400 and r.json()["error"]["param"] == "functions", r.text
     assert r.json()["error"]["code"] == "feature_not_allowed"
 

@@ -196,6 +196,11 @@ TOKEN_DECIDING = {
     "regex": {"temperature": 0, "guided_regex": "[a-z]{2,9}"},
     "tools": {"temperature": 0, "tools": [WEATHER],
               "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
+    "structured_outputs": {"temperature": 0, "structured_outputs": {"regex": "[a-z]{2,9}"}},
+    "structural_tag": {"temperature": 0, "response_format": {
+        "type": "structural_tag", "triggers": ["e"],
+        "structures": [{"begin": "e", "end": "!",
+                        "schema": {"type": "integer", "minimum": 0, "maximum": 9}}]}},
     "functions": {"temperature": 0, "functions": [WEATHER["function"]],
                   "function_call": {"name": "get_weather"}},
     "continue_final_message": {"temperature": 0, "add_generation_prompt": False,

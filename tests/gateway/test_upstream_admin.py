@@ -175,9 +175,17 @@ async def test_the_gateways_own_fields_never_reach_an_upstream_as_the_client_sen
 
     route = {"route": _route(tiny_model_dir)}
     assert (await agw.client.put("/admin/v1/models/up-c", headers=agw.admin(), json=route)).is_success
+    schema = {"type": "object"}
     req = ChatCompletionRequest.model_validate({
         "model": "up-c", "messages": [{"role": "user", "content": "hi"}], "priority": -100,
-        "request_id": "r-1", "metadata": {"team": "a"}, "determinism": "fast", "max_tokens": 99})
+        "request_id": "r-1", "metadata": {"team": "a"}, "determinism": "fast", "max_tokens": 99,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}})
     body = prepare(agw.runtime.routes.get("up-c"), req, "chat", 8, b"ns", [1, 2], b"k" * 32, False).body
     assert "priority" not in body and "request_id" not in body and "determinism" not in body
     assert body["metadata"] == {"team": "a"} and body["max_tokens"] == 8 and body["model"] != ""
+    # Fields under another name in the models go by the name the client sent, which the pool reads.
+    assert body["response_format"]["json_schema"]["schema"] == schema
+    req = ChatCompletionRequest.model_validate({"model": "up-c", "structured_outputs": {"json": schema},
+                                                "messages": [{"role": "user", "content": "hi"}]})
+    body = prepare(agw.runtime.routes.get("up-c"), req, "chat", 8, b"ns", [1, 2], b"k" * 32, False).body
+    assert body["structured_outputs"] == {"json": schema}
