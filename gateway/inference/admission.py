@@ -28,6 +28,7 @@ from gateway.inference.prompt_tokens import (  # kvgate replay and the benchmark
 )
 from gateway.inference.sampling import prompt_truncation, sampling_params
 from gateway.inference.structured import check_compiles, constraint
+from gateway.inference.tool_parsers import keeps_special_tokens, tool_family
 from gateway.inference.tools import ToolMode
 from gateway.limits.overload import EnginePlace
 from gateway.limits.quota import Reservation
@@ -329,19 +330,22 @@ async def admit(
         check_cache_fields(req, policy, target)
         check_relayable(req, target is not None)
         described = described_fields(req, policy)
+        served: ServedModel = rt.engine if target is None else target
         # The policy's feature checks: cheap.
-        found = constraint(req, policy, principal.tenant_id or "", rt.settings.max_tool_calls)
+        found = constraint(req, policy, principal.tenant_id or "", rt.settings.max_tool_calls,
+                           tool_family(served.tokenizer))
         if target is None:  # an upstream pool has no place to give: its servers queue or answer 503
             # After the tenant's own limits (over them, the answer is its 429); taken once reserved.
             place = rt.overload.claim(principal.tenant_id or "", policy.share)
         prompts, decision = await _decide(rt, principal, policy, req, target)
         if target is None:  # an upstream compiles its own constraints
             await check_compiles(rt.engine.tokenizer, found)
-        served: ServedModel = rt.engine if target is None else target
         bad_words = bad_words_token_ids(served.tokenizer, req.bad_words, len(served.tokenizer),
                                         allow_special_tokens=policy.allow_special_tokens)
         params = sampling_params(req, decision, len(served.tokenizer), found.structured,
                                  max_model_len=served.max_model_len, bad_words=bad_words)
+        if found.tools is not None and keeps_special_tokens(found.tools):
+            params.skip_special_tokens = False  # the call marker is one: its parser must see it
         fields = _admitted_fields(request_id, principal, req.model, sum(map(len, prompts)), decision)
         fields |= described
         features = list(found.features)

@@ -28,7 +28,7 @@ from gateway.errors import (
 from gateway.inference import openai_format as fmt
 from gateway.inference.admission import Admission, admit, gate
 from gateway.inference.settlement import Progress, finish, finish_soon, settle_unstarted, until_committed
-from gateway.inference.tool_calls import CallParser
+from gateway.inference.tool_parsers import CallParser, parser_for
 from gateway.principal import Principal
 from gateway.runtime import Runtime
 from gateway.schemas.openai import ChatCompletionRequest, CompletionRequest, RequestKind
@@ -144,7 +144,9 @@ def _chunks(
         prev = progress.num_tokens.get(o.index, 0)
         choice = fmt.delta_choice(adm.kind, o, prev, text_of, progress.num_chars.get(o.index, 0))
         if parsers is not None:
-            parser = parsers.setdefault(o.index, CallParser(adm.tools))  # type: ignore[arg-type]
+            if o.index not in parsers:
+                parsers[o.index] = parser_for(adm.tools)  # type: ignore[arg-type]
+            parser = parsers[o.index]
             choices += [[c] for c in fmt.tool_delta_choices(choice, o.new_text, parser)]
         else:
             choices.append([choice])

@@ -7,7 +7,7 @@ from typing import Any
 
 import orjson
 
-from gateway.inference.tool_calls import CallParser, Piece, parse_reply
+from gateway.inference.tool_parsers import CallParser, Piece, parse_reply
 from gateway.inference.tools import ToolMode
 from gateway.schemas.openai import RequestKind, SamplingFields
 from gateway.text.token_text import TokenText

@@ -16,7 +16,14 @@ from engine.errors import EngineUnavailableError
 from engine.grammar.compiler import compiler_for
 from gateway.errors import InvalidRequest, PolicyViolation, ServiceUnavailable
 from gateway.inference.legacy_functions import as_tools, legacy_param, named_as_sent, uses_functions
-from gateway.inference.tools import ToolMode, forcing_schema, max_tool_calls, parameters, tool_mode
+from gateway.inference.tools import (
+    ToolFamily,
+    ToolMode,
+    forcing_schema,
+    max_tool_calls,
+    parameters,
+    tool_mode,
+)
 from gateway.schemas.openai import ChatCompletionRequest, CompletionRequest
 from gateway.schemas.openai_tools import StructuredOutputs, schema_bytes
 from policies import FeatureUse, Policy, check_features
@@ -112,10 +119,11 @@ def _first_line(text: str) -> str:
 
 
 def constraint(req: ChatCompletionRequest | CompletionRequest, policy: Policy, cache_key: str,
-               max_calls: int) -> Constraint:
+               max_calls: int, family: ToolFamily = "hermes") -> Constraint:
     """The request's constraint, after its policy's feature checks and the schemas' metaschema checks
     (cheap: compiling is ``check_compiles``); a reply makes at most ``max_calls`` tool calls (the
-    server's bound), or fewer where the policy or the request says so.
+    server's bound), or fewer where the policy or the request says so, written as the served model's
+    ``family`` writes them.
 
     Raises:
         InvalidRequest: Two constraints at once, a schema that is no JSON schema, bad tools (400).
@@ -125,7 +133,7 @@ def constraint(req: ChatCompletionRequest | CompletionRequest, policy: Policy, c
         return _constraint(req, None, policy, cache_key)
     tools_req = as_tools(req)  # its refusals name the deprecated fields already
     with named_as_sent(req):
-        mode = tool_mode(tools_req, max_tool_calls(req, max_calls, policy.max_tool_calls))
+        mode = tool_mode(tools_req, max_tool_calls(req, max_calls, policy.max_tool_calls), family)
         if not uses_functions(req):
             return _constraint(tools_req, mode, policy, cache_key)
         found = _constraint(tools_req, mode and dataclasses.replace(mode, legacy=True), policy, cache_key)

@@ -20,6 +20,8 @@ from gateway.schemas.openai_tools import NamedToolChoice, Tool
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
+# The ways model families write calls in ``auto`` (``gateway.inference.tool_parsers``).
+ToolFamily = Literal["hermes", "llama3_json", "mistral", "pythonic"]
 
 FALLBACK_PROMPT = (
     "You can call functions. These are the functions available, as JSON:\n{tools}\n\n"
@@ -36,7 +38,7 @@ class ToolMode:
     """How a request's reply carries tool calls.
 
     Attributes:
-        kind: ``auto``: parsed out of ``<tool_call>`` blocks in the text; ``named``: the text is the named
+        kind: ``auto``: parsed out of the text, as ``family`` writes calls; ``named``: the text is the named
             function's arguments (forced); ``required``: the text is a JSON call, or a JSON list of calls
             when ``parallel`` (forced).
         names: The functions the request declares.
@@ -49,6 +51,8 @@ class ToolMode:
             grammar holds the arguments, a call of one whose arguments do not match them is no call.
         legacy: The request came with OpenAI's deprecated ``functions``: its reply carries the call as
             ``function_call`` (``gateway.inference.legacy_functions``).
+        family: How the model writes calls in ``auto``: its chat template's format
+            (``gateway.inference.tool_parsers.tool_family``), Hermes's ``<tool_call>`` blocks by default.
     """
 
     kind: Literal["auto", "named", "required"]
@@ -58,6 +62,7 @@ class ToolMode:
     max_calls: int | None = None
     strict: Mapping[str, dict[str, Any]] = field(default_factory=dict, hash=False, compare=False)
     legacy: bool = False
+    family: ToolFamily = "hermes"
 
     @property
     def is_forced(self) -> bool:
@@ -72,9 +77,10 @@ def max_tool_calls(req: ChatCompletionRequest, *bounds: int | None) -> int | Non
     return min(given) if given else None
 
 
-def tool_mode(req: ChatCompletionRequest, max_calls: int | None = None) -> ToolMode | None:
-    """What ``tools`` and ``tool_choice`` ask for, a reply making at most ``max_calls`` calls; ``None``
-    when no call can be made.
+def tool_mode(req: ChatCompletionRequest, max_calls: int | None = None,
+              family: ToolFamily = "hermes") -> ToolMode | None:
+    """What ``tools`` and ``tool_choice`` ask for, a reply making at most ``max_calls`` calls, written as
+    ``family`` writes them; ``None`` when no call can be made.
 
     Raises:
         InvalidRequest: Duplicate function names, a ``tool_choice`` without ``tools``, or one naming a
@@ -100,7 +106,7 @@ def tool_mode(req: ChatCompletionRequest, max_calls: int | None = None) -> ToolM
         return ToolMode("named", frozenset(names), choice.function.name, parallel=False, max_calls=1)
     strict = {t.function.name: parameters(t) for t in tools if t.function.strict}
     return ToolMode("required" if choice == "required" else "auto", frozenset(names), parallel=parallel,
-                    max_calls=max_calls if parallel else 1, strict=strict)
+                    max_calls=max_calls if parallel else 1, strict=strict, family=family)
 
 
 def parameters(tool: Tool) -> dict[str, Any]:

@@ -10,7 +10,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from gateway.inference.prompt_tokens import INLINE_TOKENIZE_CHARS, TokenizePool, tokenize
-from gateway.inference.tool_calls import CallParser, parse_reply
+from gateway.inference.tool_parsers import parse_reply, parser_for
 from gateway.inference.tools import ToolMode, forcing_schema, template_input, tool_mode
 from gateway.schemas.openai import ChatCompletionRequest
 
@@ -23,7 +23,7 @@ REPLY = ('Let me look.\n<tool_call>{"name": "get_weather", "arguments": {"city":
 def _stream(text: str, mode: ToolMode, cuts: list[int], strict: bool = False) -> tuple[str, list[tuple]]:
     """The content and the calls ``(id, name, arguments)`` of ``text`` streamed in pieces cut at ``cuts``;
     ``strict``: no content piece may hold markup."""
-    parser, pieces, start = CallParser(mode), [], 0
+    parser, pieces, start = parser_for(mode), [], 0
     for cut in [*cuts, len(text)]:
         pieces += parser.feed(text[start:cut])
         start = cut
@@ -255,7 +255,7 @@ def test_a_long_call_streamed_in_small_pieces_is_searched_once():
     whole buffer was appended to and searched at every piece, 0.26 s so (2026-12-01)."""
     from gateway.inference.tools import CALL_CLOSE
 
-    parser = CallParser(AUTO)
+    parser = parser_for(AUTO)
     assert parser.feed('<tool_call>{"name": "get_weather", "arguments": {"city": "') == []
     for _ in range(5000):
         assert parser.feed("ab") == []
