@@ -145,6 +145,23 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-model"))
 
 
+# The default model's server that the real-client modules share: the fast mode alone (batch_invariant's
+# start-up proof of its kernels is most of a start) and a small KV pool.
+DEFAULT_SERVER_ARGS = ("--num-kv-blocks", "1024", "--determinism-modes", "fast")
+
+
+@pytest.fixture(scope="session")
+def shared_default_server(tmp_path_factory: pytest.TempPathFactory,
+                          default_model_dir: Path) -> Iterator[Served]:
+    """One ``kvgate serve`` of the default model (``DEFAULT_SERVER_ARGS``) for the modules that run real
+    clients against it, started by the first that asks (a start costs tens of seconds); each makes its
+    own tenants, under names of its own."""
+    from .served import serve
+
+    with serve(tmp_path_factory.mktemp("default-serve"), default_model_dir, *DEFAULT_SERVER_ARGS) as served:
+        yield served
+
+
 @pytest.fixture(scope="session")
 def shared_server(tmp_path_factory: pytest.TempPathFactory,
                   tiny_model_dir: Path) -> Iterator[Callable[..., Served]]:

@@ -5,15 +5,13 @@ message, a choice, and a function call round trip (call, result, answer), whole 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
 import pytest
 
-from .served import Served, serve
+from .served import Served
 
 WEATHER = {"name": "get_weather", "description": "The current weather in a city.",
            "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
@@ -22,10 +20,8 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Iterator[tuple[Served, str]]:
-    with serve(tmp_path_factory.mktemp("chat-fields"), default_model_dir, "--determinism-modes",
-               "fast") as served:
-        yield served, served.make_key("chat-fields")
+def server(shared_default_server: Served) -> tuple[Served, str]:
+    return shared_default_server, shared_default_server.make_key("chat-fields")
 
 
 def _client(served: Served, key: str) -> Any:

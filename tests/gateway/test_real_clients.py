@@ -7,7 +7,6 @@ import json
 import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -20,7 +19,7 @@ from langchain_core.messages import AIMessage, AIMessageChunk
 from langchain_openai import ChatOpenAI
 from pydantic import BaseModel
 
-from .served import serve
+from .served import Served
 
 # The default model has 135M parameters: each test forces its structure (a named tool_choice, a JSON
 # schema) so what the client gets back is predictable, and asserts on what the client parsed.
@@ -46,14 +45,12 @@ class Target:
 
 
 @pytest.fixture(scope="module")
-def target(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Iterator[Target]:
-    # Only the fast mode: batch_invariant's start-up proves its kernels, most of a server's start.
-    with serve(tmp_path_factory.mktemp("clients"), default_model_dir, "--num-kv-blocks", "1024",
-               "--determinism-modes", "fast") as served:
-        key = served.make_key("clients")
-        models = openai.OpenAI(base_url=f"{served.base}/v1", api_key=key,
-                               http_client=httpx.Client(verify=str(served.ca))).models.list()
-        yield Target(f"{served.base}/v1", str(served.ca), key, models.data[0].id)
+def target(shared_default_server: Served) -> Target:
+    served = shared_default_server
+    key = served.make_key("clients")
+    models = openai.OpenAI(base_url=f"{served.base}/v1", api_key=key,
+                           http_client=httpx.Client(verify=str(served.ca))).models.list()
+    return Target(f"{served.base}/v1", str(served.ca), key, models.data[0].id)
 
 
 def get_weather(city: str) -> str:

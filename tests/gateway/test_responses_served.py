@@ -5,8 +5,6 @@ SDK agent whose model is the Responses model, calling a function tool."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
-from pathlib import Path
 
 import agents
 import httpx
@@ -14,15 +12,14 @@ import openai
 import pytest
 from pydantic import BaseModel
 
-from .served import SHARED_SERVE_ARGS, Served, serve
+from .served import Served
 
 RETAINS = {"prompt_retention_days": 1}
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Iterator[Served]:
-    with serve(tmp_path_factory.mktemp("responses"), default_model_dir, *SHARED_SERVE_ARGS) as served:
-        yield served
+def server(shared_default_server: Served) -> Served:
+    return shared_default_server
 
 
 def _client(served: Served, key: str) -> openai.OpenAI:
