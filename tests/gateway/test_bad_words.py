@@ -2,25 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-
 import httpx
 import pytest
-import pytest_asyncio
 
 from gateway.inference.bad_words import bad_words_token_ids
-from tests.gateway.conftest import Gateway, migrated_sqlite, open_gateway
+from tests.gateway.conftest import Gateway
 from tests.gateway.test_openai import tenant_headers
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 PROMPT = "The three longest rivers in the world are"
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def bgw(tmp_path_factory: pytest.TempPathFactory, llm: object) -> AsyncIterator[Gateway]:
-    data_dir = tmp_path_factory.mktemp("bad-words")
-    async for g in open_gateway(data_dir, migrated_sqlite(data_dir), llm):
-        yield g
 
 
 async def _post(gw: Gateway, **extra: object) -> httpx.Response:
@@ -33,15 +23,15 @@ def _ids(reply: dict) -> list[int]:
     return [int(t.removeprefix("token_id:")) for t in reply["choices"][0]["logprobs"]["tokens"]]
 
 
-async def test_the_words_never_come(bgw: Gateway) -> None:
-    tok = bgw.runtime.engine.tokenizer
+async def test_the_words_never_come(mgw: Gateway) -> None:
+    tok = mgw.runtime.engine.tokenizer
     new, york = tok.encode(" New"), tok.encode(" York")
     assert len(new) == len(york) == 1
     # biased, the reply is " New" again and again, " York" its next choice
     bias = {"logit_bias": {str(new[0]): 60, str(york[0]): 50}}
-    plain = _ids((await _post(bgw, **bias)).json())
+    plain = _ids((await _post(mgw, **bias)).json())
     assert plain == new * 8
-    r = await _post(bgw, bad_words=["New New"], **bias)  # as vLLM: "New New" and " New New"
+    r = await _post(mgw, bad_words=["New New"], **bias)  # as vLLM: "New New" and " New New"
     assert r.status_code == 200, r.text
     assert _ids(r.json()) == (new + york) * 4  # " New" only where no " New" came just before it
     assert bad_words_token_ids(tok, ["New New"], len(tok)) == [tok.encode("New New"), new * 2]
@@ -56,7 +46,7 @@ async def test_the_words_never_come(bgw: Gateway) -> None:
     ({"bad_words": ["a"], "allowed_token_ids": [5, 6]}, "cannot be combined"),
     ({"bad_words": ["a"], "guided_regex": "[a-z]+"}, "cannot be combined"),
 ])
-async def test_bad_values_are_400s(bgw: Gateway, extra: dict, why: str) -> None:
-    r = await _post(bgw, **extra)
+async def test_bad_values_are_400s(mgw: Gateway, extra: dict, why: str) -> None:
+    r = await _post(mgw, **extra)
     assert r.status_code == 400 and r.json()["error"]["param"].startswith("bad_words"), r.text
     assert why in r.json()["error"]["message"]

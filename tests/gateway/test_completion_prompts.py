@@ -2,27 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-
 import orjson
 import pytest
-import pytest_asyncio
 from sqlalchemy import select
 
 from audit.tables import audit_events
-from tests.gateway.conftest import Gateway, migrated_sqlite, open_gateway
+from tests.gateway.conftest import Gateway
 from tests.gateway.test_openai import sse_events, tenant_headers
 
 # One gateway for the module, on the module's loop: each test asks as a new tenant.
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 PROMPTS = ["The sea is", "Three rivers:"]
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def pgw(tmp_path_factory: pytest.TempPathFactory, llm: object) -> AsyncIterator[Gateway]:
-    data_dir = tmp_path_factory.mktemp("completion-prompts")
-    async for g in open_gateway(data_dir, migrated_sqlite(data_dir), llm):
-        yield g
 
 
 async def _post(gw: Gateway, **body: object) -> dict:
@@ -40,11 +30,11 @@ async def _events(gw: Gateway, name: str, request_id: str) -> list[dict]:
 
 
 @pytest.mark.parametrize("as_ids", [False, True], ids=["text", "token_ids"])
-async def test_each_prompt_gets_n_choices_in_order(pgw: Gateway, as_ids: bool) -> None:
-    tok = pgw.runtime.engine.tokenizer
+async def test_each_prompt_gets_n_choices_in_order(mgw: Gateway, as_ids: bool) -> None:
+    tok = mgw.runtime.engine.tokenizer
     prompts = [tok.encode(p) for p in PROMPTS] if as_ids else PROMPTS
-    alone = [await _post(pgw, prompt=p) for p in prompts]
-    both = await _post(pgw, prompt=prompts, n=2, ignore_eos=True)
+    alone = [await _post(mgw, prompt=p) for p in prompts]
+    both = await _post(mgw, prompt=prompts, n=2, ignore_eos=True)
     assert [c["index"] for c in both["choices"]] == [0, 1, 2, 3]
     texts = [c["text"] for c in both["choices"]]
     assert texts == [alone[0]["choices"][0]["text"]] * 2 + [alone[1]["choices"][0]["text"]] * 2
@@ -53,15 +43,15 @@ async def test_each_prompt_gets_n_choices_in_order(pgw: Gateway, as_ids: bool) -
     assert usage["prompt_tokens"] == sum(a["usage"]["prompt_tokens"] for a in alone)
     assert usage["completion_tokens"] == 4 * 4
     request_id = both["id"].removeprefix("cmpl-")
-    [admitted] = await _events(pgw, "request.admitted", request_id)
+    [admitted] = await _events(mgw, "request.admitted", request_id)
     # every prompt's tokens and every choice's max_tokens are counted before the engine runs
     assert admitted["num_prompt_tokens"] == usage["prompt_tokens"]
     assert admitted["num_reserved_tokens"] == usage["prompt_tokens"] + 4 * 4
 
 
-async def test_streamed_choices_match_the_whole_reply(pgw: Gateway) -> None:
-    whole = await _post(pgw, prompt=PROMPTS, n=2)
-    events = (await _post(pgw, prompt=PROMPTS, n=2, stream=True))["events"]
+async def test_streamed_choices_match_the_whole_reply(mgw: Gateway) -> None:
+    whole = await _post(mgw, prompt=PROMPTS, n=2)
+    events = (await _post(mgw, prompt=PROMPTS, n=2, stream=True))["events"]
     texts = {i: "" for i in range(4)}
     for e in events:
         for c in e["choices"]:
@@ -71,22 +61,22 @@ async def test_streamed_choices_match_the_whole_reply(pgw: Gateway) -> None:
     assert finals == [0, 1, 2, 3]
 
 
-async def test_batch_invariant_receipt_has_a_chain_per_choice(pgw: Gateway) -> None:
-    tok = pgw.runtime.engine.tokenizer
-    reply = await _post(pgw, prompt=PROMPTS, n=2, temperature=0.8, determinism="batch_invariant")
-    [finished] = await _events(pgw, "request.finished", reply["id"].removeprefix("cmpl-"))
+async def test_batch_invariant_receipt_has_a_chain_per_choice(mgw: Gateway) -> None:
+    tok = mgw.runtime.engine.tokenizer
+    reply = await _post(mgw, prompt=PROMPTS, n=2, temperature=0.8, determinism="batch_invariant")
+    [finished] = await _events(mgw, "request.finished", reply["id"].removeprefix("cmpl-"))
     assert len(finished["token_hashes"]) == 4 and finished["num_choices"] == 2
     prompts = [tok.encode(p) for p in PROMPTS]  # the tokenizer adds no BOS: the ids the engine ran
-    assert finished["prompt_hash"] == pgw.runtime.prompts_hash(prompts)
-    assert finished["prompt_hash"] != pgw.runtime.prompts_hash(prompts[:1])
+    assert finished["prompt_hash"] == mgw.runtime.prompts_hash(prompts)
+    assert finished["prompt_hash"] != mgw.runtime.prompts_hash(prompts[:1])
 
 
-async def test_text_logprobs_up_to_20(pgw: Gateway) -> None:
-    reply = await _post(pgw, prompt=PROMPTS[0], logprobs=20, max_tokens=2)
+async def test_text_logprobs_up_to_20(mgw: Gateway) -> None:
+    reply = await _post(mgw, prompt=PROMPTS[0], logprobs=20, max_tokens=2)
     lp = reply["choices"][0]["logprobs"]
     assert len(lp["tokens"]) == 2 and max(len(top) for top in lp["top_logprobs"]) >= 19  # keys are texts
-    r = await pgw.client.post("/v1/completions", headers=await tenant_headers(pgw), json={
-        "model": pgw.runtime.engine.model_name, "prompt": "x", "logprobs": 21})
+    r = await mgw.client.post("/v1/completions", headers=await tenant_headers(mgw), json={
+        "model": mgw.runtime.engine.model_name, "prompt": "x", "logprobs": 21})
     assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs", r.text
 
 
@@ -99,19 +89,19 @@ async def test_text_logprobs_up_to_20(pgw: Gateway) -> None:
     ([[]], 1, "list of either"),
     ([[1, -1]], 1, "list of either"),
 ])
-async def test_bad_prompt_lists_are_400s(pgw: Gateway, prompt: object, n: int, why: str) -> None:
-    r = await pgw.client.post("/v1/completions", headers=await tenant_headers(pgw), json={
-        "model": pgw.runtime.engine.model_name, "prompt": prompt, "n": n})
+async def test_bad_prompt_lists_are_400s(mgw: Gateway, prompt: object, n: int, why: str) -> None:
+    r = await mgw.client.post("/v1/completions", headers=await tenant_headers(mgw), json={
+        "model": mgw.runtime.engine.model_name, "prompt": prompt, "n": n})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == "prompt" and why in r.json()["error"]["message"]
 
 
-async def test_one_long_prompt_among_several_is_refused(pgw: Gateway) -> None:
-    long = [7] * pgw.runtime.engine.max_model_len
-    r = await pgw.client.post("/v1/completions", headers=await tenant_headers(pgw), json={
-        "model": pgw.runtime.engine.model_name, "prompt": [[1, 2], long], "max_tokens": 2})
+async def test_one_long_prompt_among_several_is_refused(mgw: Gateway) -> None:
+    long = [7] * mgw.runtime.engine.max_model_len
+    r = await mgw.client.post("/v1/completions", headers=await tenant_headers(mgw), json={
+        "model": mgw.runtime.engine.model_name, "prompt": [[1, 2], long], "max_tokens": 2})
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
-    vocab = len(pgw.runtime.engine.tokenizer)
-    r = await pgw.client.post("/v1/completions", headers=await tenant_headers(pgw), json={
-        "model": pgw.runtime.engine.model_name, "prompt": [[1, 2], [vocab]], "max_tokens": 2})
+    vocab = len(mgw.runtime.engine.tokenizer)
+    r = await mgw.client.post("/v1/completions", headers=await tenant_headers(mgw), json={
+        "model": mgw.runtime.engine.model_name, "prompt": [[1, 2], [vocab]], "max_tokens": 2})
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
