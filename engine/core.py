@@ -146,10 +146,14 @@ class LLMEngine:
         max_lens = [fitted_length(ids, params.max_tokens, self.max_model_len, self.kv) for ids in prompts]
         base_seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         n = params.n
-        return [Sequence(next(self._seq_ids), request_id, p * n + i, ids, params, arrival_time=now,
+        seqs = [Sequence(next(self._seq_ids), request_id, p * n + i, ids, params, arrival_time=now,
                          priority=priority, cache_namespace=cache_namespace, sample_seed=base_seed,
                          max_len=max_len, mode=mode)
                 for p, (ids, max_len) in enumerate(zip(prompts, max_lens, strict=True)) for i in range(n)]
+        if params.prompt_logprobs is not None:  # a prompt's first sample computes them for all n
+            for seq in seqs[::n]:
+                seq.prompt_logprobs = [None] * seq.prompt_len
+        return seqs
 
     def _schedule(self, seqs: list[Sequence], share: TenantShare | None) -> None:
         n = seqs[0].params.n

@@ -44,6 +44,7 @@ class RequestState:
             params.spaces_between_special_tokens)) for s in seqs]
         self._max_stop = max((len(s) for s in params.stop), default=0)
         self._is_first = True  # the first delta carries the prompt's ids
+        self._prompt_logprobs_sent: set[int] = set()  # prompts whose logprobs a delta carried
 
     @property
     def finished(self) -> bool:
@@ -135,7 +136,20 @@ class RequestState:
         # each prompt's cached tokens once, as its first sample found them (the others share its blocks)
         num_cached = sum(s.num_cached_tokens for s in self.seqs[::self.params.n])
         return RequestDelta(self.request_id, samples, self.finished, num_cached,
-                            self._metrics(), self.seqs[0].mode, self.fingerprint, prompt_ids)
+                            self._metrics(), self.seqs[0].mode, self.fingerprint, prompt_ids,
+                            self._new_prompt_logprobs())
+
+    def _new_prompt_logprobs(self) -> dict[int, list[TokenLogprobs | None]] | None:
+        """The prompt logprobs of each prompt whose prefill is done since the last delta (once each)."""
+        if self.params.prompt_logprobs is None:
+            return None
+        done = {}
+        for p, seq in enumerate(self.seqs[::self.params.n]):
+            if p not in self._prompt_logprobs_sent and seq.prompt_logprobs is not None and (
+                    seq.num_computed_tokens >= seq.prompt_len):
+                done[p] = seq.prompt_logprobs
+                self._prompt_logprobs_sent.add(p)
+        return done or None
 
     def _token_hash(self, seq: Sequence, sample: _SampleText) -> str | None:
         """The receipt of a finished fixed/batch_invariant sample (its siblings may run on for steps)."""

@@ -13,6 +13,7 @@ class TokenLogprobs:
     token_id: int
     logprob: float
     top: dict[int, float]
+    rank: int | None = None  # its rank among the vocabulary's (1: the likeliest); set for prompt tokens
 
 
 @dataclass(slots=True)
@@ -73,6 +74,8 @@ class RequestDelta:
     determinism: str = "fast"
     system_fingerprint: str = ""
     prompt_token_ids: list[int] | None = None
+    # prompt index -> its prompt logprobs, once that prompt's prefill is done (sent once)
+    prompt_logprobs: dict[int, list[TokenLogprobs | None]] | None = None
 
 
 @dataclass(slots=True)
@@ -92,6 +95,8 @@ class RequestOutput:
     metrics: RequestMetrics
     determinism: str = "fast"
     system_fingerprint: str = ""
+    # prompt index -> each prompt token's logprobs (the first position's ``None``), where asked
+    prompt_logprobs: dict[int, list[TokenLogprobs | None]] | None = None
 
     @property
     def token_ids(self) -> list[int]:

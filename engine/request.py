@@ -51,6 +51,9 @@ class SamplingParams:
             end-of-sequence token, ``stop_token_ids`` and ``stop`` strings do not end the sequence (a
             token that would have is kept in ``token_ids``, as with ``ignore_eos``).
         logprobs: Return the top-N log-probabilities per generated token (0 = only the chosen one).
+        prompt_logprobs: Return the top-N log-probabilities of each prompt token after the first (0 = only
+            the prompt's own), 0 to 20: every prompt position then runs through the LM head, and the
+            prompt never comes from the prefix cache, whose positions would have none.
         skip_special_tokens: Leave special tokens out of ``text``.
         spaces_between_special_tokens: ``True``: a space between each added (special) token and the text
             beside it in ``text``, as vLLM and Hugging Face write them with a Python tokenizer; ``False``
@@ -85,6 +88,7 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool | None = None
     include_stop_str_in_output: bool = False
@@ -113,8 +117,10 @@ class SamplingParams:
         _check(_is_num(self.min_p) and 0.0 <= self.min_p <= 1.0,
                f"min_p must be in [0, 1], got {self.min_p!r}")
         _check(self.seed is None or _is_int(self.seed), f"seed must be an integer, got {self.seed!r}")
-        _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20),
-               f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            _check(value is None or (_is_int(value) and 0 <= value <= 20),
+                   f"{name} must be an integer in [0, 20], got {value!r}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         elif self.stop is None:
@@ -210,7 +216,7 @@ class Sequence:
                  "arrival_time", "first_scheduled_time", "first_token_time", "last_token_time",
                  "finish_time", "logprobs", "cache_namespace", "sample_seed", "max_len",
                  "num_preemptions", "stop_reason", "token_times", "num_prefill_computed", "mode",
-                 "tenant", "matcher", "mask", "penalty", "bad_words")
+                 "tenant", "matcher", "mask", "penalty", "bad_words", "prompt_logprobs")
 
     def __init__(self, seq_id: int, request_id: str, sample_index: int, prompt_token_ids: list[int],
                  params: SamplingParams, *, arrival_time: float, priority: int = 0,
@@ -247,6 +253,9 @@ class Sequence:
         self.mask = None                    # its next token's mask, computed ahead (engine.grammar.masks)
         self.penalty = None                 # token counts for the penalties (runner.logits.PenaltyState)
         self.bad_words = None               # its bad words as prefix lookups (runner.logits.BadWords)
+        # prompt_logprobs, on a prompt's first sample only: by position (the first has none), filled as
+        # its prefill runs; a preempted prefill fills the same places again
+        self.prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -263,6 +272,11 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    @property
+    def is_prompt_logprobs_pending(self) -> bool:
+        """Prompt logprobs asked and the prompt not all computed: no prefix-cache hit may skip a position."""
+        return self.prompt_logprobs is not None and self.num_computed_tokens < self.prompt_len
 
     @property
     def is_mask_pending(self) -> bool:

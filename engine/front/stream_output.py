@@ -27,11 +27,12 @@ class OutputAccumulator:
     it is, what waits for it is one request's output, never a queue of per-step copies.
     """
 
-    __slots__ = ("request_id", "prompt_token_ids", "samples", "latest", "is_pending")
+    __slots__ = ("request_id", "prompt_token_ids", "prompt_logprobs", "samples", "latest", "is_pending")
 
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
         self.prompt_token_ids: list[int] = []
+        self.prompt_logprobs: dict[int, list[TokenLogprobs | None]] | None = None
         self.samples: dict[int, _Sample] = {}
         self.latest: RequestDelta | None = None
         self.is_pending = False  # a delta came since the last snapshot
@@ -39,6 +40,8 @@ class OutputAccumulator:
     def add(self, delta: RequestDelta) -> None:
         if delta.prompt_token_ids is not None:
             self.prompt_token_ids = delta.prompt_token_ids
+        if delta.prompt_logprobs:
+            self.prompt_logprobs = (self.prompt_logprobs or {}) | delta.prompt_logprobs
         for d in delta.samples:
             s = self.samples.get(d.index)
             if s is None:
@@ -72,4 +75,4 @@ class OutputAccumulator:
         self.is_pending = False
         d = self.latest
         return RequestOutput(self.request_id, self.prompt_token_ids, outs, d.finished, d.num_cached_tokens,
-                             d.metrics, d.determinism, d.system_fingerprint)
+                             d.metrics, d.determinism, d.system_fingerprint, self.prompt_logprobs)

@@ -8,7 +8,7 @@ from engine.determinism import BATCH_INVARIANT, FAST, FIXED, deterministic_algor
 from engine.outputs import TokenLogprobs
 from engine.request import Sequence
 from engine.runner.cuda_decode import CudaDecoder
-from engine.runner.sampler import sample
+from engine.runner.sampler import prompt_logprobs, sample
 from kernels import AttentionMetadata, DecodeGroup, InvariantRows, PrefillSpan
 from kernels.kv_quant import QuantizedKV
 
@@ -83,8 +83,9 @@ class ModelRunner:
         """Lay out the step: decodes (one new token) first, then prefill chunks, then every token of
         batch-invariant sequences (which the C++ kernel attends row by row).
 
-        Returns input ids, positions, attention metadata, the batch rows whose logits are sampled, and
-        the sequences those rows belong to (in the same order as ``scheduled`` after reordering).
+        Returns input ids, positions, attention metadata, the batch rows whose logits are sampled, the
+        sequences those rows belong to (in the same order as ``scheduled`` after reordering), and the
+        prompt rows whose logprobs are asked (``_prompt_rows``).
         """
         bi = [(s, n) for s, n in scheduled if s.mode == BATCH_INVARIANT]
         fast = [(s, n) for s, n in scheduled if s.mode != BATCH_INVARIANT]
@@ -126,7 +127,7 @@ class ModelRunner:
         sample_rows, sample_seqs = self._sample_rows(order)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
-        return input_ids, pos, meta, sample_rows, sample_seqs
+        return input_ids, pos, meta, sample_rows, sample_seqs, self._prompt_rows(order)
 
     @staticmethod
     def _sample_rows(order: list[tuple[Sequence, int]]) -> tuple[list[int], list[Sequence]]:
@@ -137,6 +138,19 @@ class ModelRunner:
                 rows.append(row - 1)
                 seqs.append(s)
         return rows, seqs
+
+    @staticmethod
+    def _prompt_rows(order: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int, int, int]]:
+        """``(seq, first batch row, its position, rows)`` of the step's rows whose next token is a prompt
+        token of a sequence that asked for prompt logprobs."""
+        spans, row = [], 0
+        for s, n in order:
+            start = s.num_computed_tokens
+            count = min(start + n, s.prompt_len - 1) - start
+            if s.prompt_logprobs is not None and count > 0:
+                spans.append((s, row, start, count))
+            row += n
+        return spans
 
     def zero_blocks(self, block_ids: list[int]) -> None:
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
@@ -182,8 +196,10 @@ class ModelRunner:
                 seqs = [s for s, _ in scheduled]
                 logits = self.decoder.logits(seqs)
             else:
-                input_ids, positions, meta, rows, seqs = self.prepare(scheduled)
+                input_ids, positions, meta, rows, seqs, prompt_rows = self.prepare(scheduled)
                 hidden = self.model(input_ids, positions, meta, self.kv_caches)
+                for span in prompt_rows:
+                    prompt_logprobs(self.model, hidden, span, meta.linear_plan)
                 if not rows:
                     return [], [], []
                 logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)],

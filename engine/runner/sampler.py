@@ -230,3 +230,32 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[
         for i, t in zip(idx, picked.tolist(), strict=True):
             tokens[i] = t
     return tokens, _logprobs(logits, seqs, tokens)
+
+
+_PROMPT_ROWS = 128  # prompt rows per LM-head slice: [128, vocab] logits at a time, whatever the chunk
+
+
+def prompt_logprobs(model, hidden: torch.Tensor, span: tuple[Sequence, int, int, int], plan) -> None:
+    """Fill ``seq.prompt_logprobs`` for the prompt tokens that ``span``'s rows predict: each one's
+    logprob, rank and the row's top ``prompt_logprobs`` (vLLM's). The rows run through the LM head in
+    slices of their own, apart from the rows that sample, so no other row's logits change with them.
+
+    Args:
+        hidden: [T, hidden] the step's hidden states; span: ``(seq, first row, its position, rows)``.
+    """
+    seq, row, pos, count = span
+    k = seq.params.prompt_logprobs
+    prompt = seq.all_token_ids
+    for i in range(0, count, _PROMPT_ROWS):
+        m = min(_PROMPT_ROWS, count - i)
+        lp = torch.log_softmax(model.compute_logits(hidden[row + i:row + i + m], plan).float(), dim=-1)
+        targets = torch.tensor(prompt[pos + i + 1:pos + i + 1 + m], device=lp.device)
+        chosen = lp.gather(1, targets[:, None])  # [m, 1]
+        ranks = ((lp > chosen).sum(dim=1) + 1).tolist()
+        top_vals, top_ids = torch.topk(lp, k) if k else (lp[:, :0], lp[:, :0].long())
+        chosen_l, top_vals_l, top_ids_l = chosen[:, 0].tolist(), top_vals.tolist(), top_ids.tolist()
+        for j in range(m):
+            seq.prompt_logprobs[pos + i + j + 1] = TokenLogprobs(  # type: ignore[index]
+                prompt[pos + i + j + 1], chosen_l[j], dict(zip(top_ids_l[j], top_vals_l[j], strict=True)),
+                ranks[j])
+

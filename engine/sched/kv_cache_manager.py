@@ -45,7 +45,7 @@ class KVCacheManager:
     def get_computed_blocks(self, seq: Sequence) -> tuple[list[Block], int]:
         """The longest chain of cached full blocks matching the sequence's tokens, and how many tokens
         they cover. At least one token is always left to compute, so the step produces logits."""
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or seq.is_prompt_logprobs_pending:
             return [], 0
         max_blocks = (seq.num_tokens - 1) // self.block_size
         hashes = self._block_hashes(seq, max_blocks)

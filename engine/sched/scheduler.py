@@ -13,6 +13,13 @@ from engine.sched.kv_cache_manager import KVCacheManager
 from engine.sched.time_share import NOMINAL_CPU, NOMINAL_CUDA, TimeShare, is_decode_row, tenant_demand
 
 
+def _cost(seq: Sequence) -> int:
+    """Step budget tokens per token of ``seq``: a prompt token whose logprobs are asked runs through the
+    LM head and a log-softmax over the vocabulary too, up to about the rest of a small model's forward,
+    so it counts twice, bounding the step that holds it."""
+    return 2 if seq.is_prompt_logprobs_pending else 1
+
+
 @dataclass(slots=True)
 class SchedulerOutput:
     """One step's work: sequences with the number of new tokens each computes this step."""
@@ -194,7 +201,7 @@ class Scheduler:
                 break
             if seq.status is not RequestStatus.RUNNING:
                 continue  # preempted as a victim earlier in this step
-            n = self._share_of(seq, min(seq.num_tokens - seq.num_computed_tokens, self._budget))
+            n = self._share_of(seq, min(seq.num_tokens - seq.num_computed_tokens, self._room(seq)))
             if n == 0:
                 continue  # its tenant has spent its share of this step's time
             if seq.is_mask_pending and seq.num_computed_tokens + n == seq.num_tokens:
@@ -212,9 +219,14 @@ class Scheduler:
         is_decoding = any(s.num_computed_tokens >= s.prompt_len for s in seq.tenant.running if s is not seq)
         return share.prefill_tokens(seq.tenant.key, n, is_decoding)  # all of it or none: chunks stay large
 
+    def _room(self, seq: Sequence) -> int:
+        """The tokens of ``seq`` the step's budget has room for (one at least, while any is left: a step
+        of one token's budget still moves a sequence that counts twice)."""
+        return max(self._budget // _cost(seq), min(self._budget, 1))
+
     def _place(self, seq: Sequence, n: int, out: SchedulerOutput) -> None:
         out.scheduled.append((seq, n))
-        self._budget -= n
+        self._budget -= n * _cost(seq)
         self._charge(seq, n)
 
     def _charge(self, seq: Sequence, n: int) -> None:
@@ -260,7 +272,7 @@ class Scheduler:
         for i, (s, n) in enumerate(out.scheduled):
             if s is seq:  # placed earlier in this step: take it out of the batch again
                 del out.scheduled[i]
-                self._budget += n
+                self._budget += n * _cost(seq)
                 self._charge(seq, -n)
                 break
         self.running.remove(seq)
@@ -293,7 +305,7 @@ class Scheduler:
         if len(self.running) >= self.max_num_seqs and not self._take_slot_for(seq.tenant, out):
             return False
         computed, num_cached = self.kv.get_computed_blocks(seq)
-        n = min(seq.num_tokens - num_cached, self._budget)
+        n = min(seq.num_tokens - num_cached, self._room(seq))
         n = self._share_of(seq, n)
         if n == 0 or self._over_cap(seq, n + num_cached):
             return False

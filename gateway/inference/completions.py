@@ -27,6 +27,7 @@ from gateway.errors import (
 )
 from gateway.inference import openai_format as fmt
 from gateway.inference.admission import Admission, admit, gate
+from gateway.inference.prompt_parts import Prompts, prepend
 from gateway.inference.settlement import Progress, finish, finish_soon, settle_unstarted, until_committed
 from gateway.inference.tool_parsers import CallParser, parser_for
 from gateway.principal import Principal
@@ -109,6 +110,7 @@ async def _run_whole(rt: Runtime, adm: Admission, shape: fmt.ReplyShape) -> Whol
     finishing = await finish_soon(rt, adm, progress)
     last = progress.last
     usage = fmt.usage_dict(*progress.usage(adm))
+    text_of = shape.text_of(rt.token_text)
     body = fmt.full_response(
         adm.kind,
         adm.request_id,
@@ -116,11 +118,17 @@ async def _run_whole(rt: Runtime, adm: Admission, shape: fmt.ReplyShape) -> Whol
         adm.model,
         last.outputs,
         usage,
-        shape.text_of(rt.token_text),
+        text_of,
         system_fingerprint=last.system_fingerprint,
         tools=adm.tools,
     )
+    _prompts(adm, shape).add_to(body, adm.kind, last, text_of)
     return WholeReply(body, adm.headers, finishing)
+
+
+def _prompts(adm: Admission, shape: fmt.ReplyShape) -> Prompts:
+    return Prompts(adm.prompts, adm.params.n, shape.echo_texts, adm.params.logprobs is not None,
+                   shape.has_prompt_logprobs)
 
 
 def _chunks(
@@ -141,8 +149,7 @@ def _chunks(
             continue
         if o.finish_reason is not None:
             progress.finished.add(o.index)
-        prev = progress.num_tokens.get(o.index, 0)
-        choice = fmt.delta_choice(adm.kind, o, prev, text_of, progress.num_chars.get(o.index, 0))
+        choice = _delta(adm, out, o, progress, shape, text_of)
         if parsers is not None:
             if o.index not in parsers:
                 parsers[o.index] = parser_for(adm.tools)  # type: ignore[arg-type]
@@ -150,18 +157,32 @@ def _chunks(
             choices += [[c] for c in fmt.tool_delta_choices(choice, o.new_text, parser)]
         else:
             choices.append([choice])
-        progress.num_tokens[o.index] = len(o.token_ids)
-        # Where the next token's text starts, as a whole response's text_offset counts it: the streamed
-        # text lags the tokens while a stop string may be forming, so it is no measure of that.
-        lp = choice["logprobs"]
-        if adm.kind == "text" and lp is not None and lp["tokens"]:
-            progress.num_chars[o.index] = lp["text_offset"][-1] + len(text_of.text(o.logprobs[-1].token_id))
     if not choices:
         return []
     usage = fmt.usage_dict(*progress.usage(adm)) if shape.is_usage_continuous else None
     if parsers is not None:
         return [fmt.sse(_chunk(adm, c, shape.include_usage, usage)) for c in choices]
     return [fmt.sse(_chunk(adm, [c[0] for c in choices], shape.include_usage, usage))]
+
+
+def _delta(adm: Admission, out: Any, o: Any, progress: Progress, shape: fmt.ReplyShape,
+           text_of: fmt.TokenText) -> dict[str, Any]:
+    """One choice's part of a chunk: what it produced since the last (its first: after its echo)."""
+    prev = progress.num_tokens.get(o.index, 0)
+    echoed = None
+    if shape.echo_texts is not None and o.index not in progress.num_tokens:
+        echoed = _prompts(adm, shape).echo_of(out, o.index, text_of)
+        progress.num_chars[o.index] = echoed.num_chars
+    choice = fmt.delta_choice(adm.kind, o, prev, text_of, progress.num_chars.get(o.index, 0))
+    if echoed is not None:
+        prepend(choice, echoed, is_shifted=True)
+    progress.num_tokens[o.index] = len(o.token_ids)
+    # Where the next token's text starts, as a whole response's text_offset counts it: the streamed
+    # text lags the tokens while a stop string may be forming, so it is no measure of that.
+    if adm.kind == "text" and o.logprobs is not None and len(o.logprobs) > prev:
+        progress.num_chars[o.index] = (choice["logprobs"]["text_offset"][-1]
+                                       + len(text_of.text(o.logprobs[-1].token_id)))
+    return choice
 
 
 def _chunk(adm: Admission, choices: list[dict[str, Any]], include_usage: bool, usage: Any = None) -> dict:

@@ -9,7 +9,7 @@ import orjson
 
 from gateway.inference.tool_parsers import CallParser, Piece, parse_reply
 from gateway.inference.tools import ToolMode
-from gateway.schemas.openai import RequestKind, SamplingFields
+from gateway.schemas.openai import CompletionRequest, RequestKind, SamplingFields
 from gateway.text.token_text import TokenText
 
 
@@ -22,10 +22,19 @@ class ReplyShape:
     include_usage: bool = False
     is_usage_continuous: bool = False
     is_labelled_by_id: bool = False
+    # a text completion's ``echo``: each prompt as sent where it is a string kept whole, else None (its
+    # ids decoded); None: no echo
+    echo_texts: tuple[str | None, ...] | None = None
+    has_prompt_logprobs: bool = False
 
     @classmethod
     def of(cls, req: SamplingFields) -> ReplyShape:
-        return cls(req.include_usage, req.is_usage_continuous, req.return_tokens_as_token_ids)
+        echo_texts = None
+        if isinstance(req, CompletionRequest) and req.echo:
+            is_whole = req.truncate_prompt_tokens is None
+            echo_texts = tuple(p if isinstance(p, str) and is_whole else None for p in req.prompts)
+        return cls(req.include_usage, req.is_usage_continuous, req.return_tokens_as_token_ids, echo_texts,
+                   req.prompt_logprobs is not None)
 
     def text_of(self, token_text: TokenText) -> TokenText:
         return token_text.labelled_by_id() if self.is_labelled_by_id else token_text

@@ -34,6 +34,7 @@ RECEIPT_VERSION = 3
 NOT_RECORDED = {
     "logprobs": "read from the logits after each token is drawn: returned beside the tokens, never "
                 "changes them",
+    "prompt_logprobs": "read from the prompt's logits: returned beside the tokens, never changes them",
     "structured": "recorded as structured_kind and the keyed structured_hash: the spec (a JSON schema, "
                   "a regex) can carry the caller's data, so replay is given it again, as the prompt",
 }

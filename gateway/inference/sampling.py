@@ -15,7 +15,8 @@ from policies import Decision
 # ``SamplingParams`` field that the request has (by name) reaches the engine as sent. So a new plain
 # field (``min_p``) is a request field and a ``SamplingParams`` field, and nothing here.
 DECIDED = frozenset({"max_tokens", "seed", "stop", "logprobs", "determinism", "logit_bias", "structured",
-                     "stop_token_ids", "allowed_token_ids", "truncate_prompt_tokens", "bad_words_token_ids"})
+                     "stop_token_ids", "allowed_token_ids", "truncate_prompt_tokens", "bad_words_token_ids",
+                     "prompt_logprobs"})
 AS_SENT = tuple(f.name for f in dataclasses.fields(SamplingParams)
                 if f.name in SamplingFields.model_fields and f.name not in DECIDED)
 
@@ -68,6 +69,13 @@ def _bad_words(req: ChatCompletionRequest | CompletionRequest, bad_words: list[l
         raise InvalidRequest("bad_words cannot be combined with allowed_token_ids, a structured output or a "
                              "forced tool call.", code="invalid_value", param="bad_words")
     return bad_words
+
+
+def _prompt_logprobs(req: ChatCompletionRequest | CompletionRequest) -> int | None:
+    """The prompt logprobs asked, or those an echo with ``logprobs`` needs (vLLM's)."""
+    if req.prompt_logprobs is None and getattr(req, "echo", False):
+        return req.num_logprobs
+    return req.prompt_logprobs
 
 
 def prompt_truncation(req: ChatCompletionRequest | CompletionRequest, max_model_len: int) -> int | None:
@@ -126,6 +134,7 @@ def sampling_params(
             allowed_token_ids=_allowed_token_ids(req, vocab_size, structured),
             truncate_prompt_tokens=prompt_truncation(req, max_model_len),
             bad_words_token_ids=_bad_words(req, bad_words, structured),
+            prompt_logprobs=_prompt_logprobs(req),
             structured=structured,
         )
     except InvalidRequestError as e:

@@ -133,6 +133,10 @@ class SamplingFields(_Strict):
             model's context; more than the context holds is a 400. The kept tokens are what the policy,
             the quotas and ``usage`` count; the byte cap on the prompt's text still applies before it is
             tokenized.
+        prompt_logprobs: The top 0 to 20 log-probabilities of each prompt token after the first, with its
+            own (vLLM's, in a whole reply: a text choice's ``prompt_logprobs``, a chat's beside its
+            choices); every prompt position runs through the model's head, and the prompt is never
+            taken from the prefix cache. Not with ``stream``.
         return_tokens_as_token_ids: Label logprob tokens ``token_id:N`` (a token that is part of a UTF-8
             character has no text of its own); ``bytes`` and ``text_offset`` stay the token's text's.
         include_stop_str_in_output: End the text after the ``stop`` string that ended it, instead of
@@ -181,6 +185,7 @@ class SamplingFields(_Strict):
     spaces_between_special_tokens: bool | None = None  # extension
     return_tokens_as_token_ids: bool = False  # extension
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1, le=2**31 - 1)  # extension; -1 or >= 1
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)  # extension; not streamed
     include_stop_str_in_output: bool = False  # extension
     allowed_token_ids: Annotated[list[Annotated[int, Field(ge=0, le=2**31 - 1)]],  # extension
                                  Field(min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS)] | None = None
@@ -202,6 +207,13 @@ class SamplingFields(_Strict):
     @classmethod
     def _check_guided_json(cls, schema: dict[str, Any] | str | None) -> dict[str, Any] | None:
         return schema if schema is None else schema_from(schema)
+
+    @field_validator("prompt_logprobs")
+    @classmethod
+    def _check_prompt_logprobs(cls, k: int | None, info: ValidationInfo) -> int | None:
+        if k is not None and info.data.get("stream"):
+            raise ValueError("prompt_logprobs are not available when stream is true (as in vLLM)")
+        return k
 
     @field_validator("truncate_prompt_tokens")
     @classmethod
@@ -305,12 +317,15 @@ _Prompts = Annotated[list[_Str], Field(min_length=1)] | Annotated[list[_TokenIds
 
 class CompletionRequest(SamplingFields):
     """A text completion. ``prompt`` is a string, token ids, or a list of either (vLLM's batch: choice
-    ``prompt_index * n + i`` is the ``i``-th of prompt ``prompt_index``), at most 8 choices in all."""
+    ``prompt_index * n + i`` is the ``i``-th of prompt ``prompt_index``), at most 8 choices in all.
+    ``echo`` writes each choice's prompt before its text (a string prompt as sent, token ids or a
+    truncated prompt decoded), and with ``logprobs`` the prompt tokens' logprobs before the text's (the
+    first token's ``null``)."""
 
     prompt: _Str | _TokenIds | _Prompts
     max_tokens: int | None = Field(default=16, ge=1)
     logprobs: int | None = Field(default=None, ge=0, le=20)
-    echo: Literal[False] = False
+    echo: bool = False
     suffix: None = None
     best_of: Literal[1] | None = None
 

@@ -12,6 +12,7 @@ class TokenText:
     the label a reply shows for it (its text, or ``token_id:N`` from ``labelled_by_id``)."""
 
     def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
         self._decode = lru_cache(maxsize=65536)(lambda i: tokenizer.decode([i]))
         self.is_labelled_by_id = False
 

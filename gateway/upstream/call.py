@@ -69,9 +69,13 @@ def _stream_options(req: ChatCompletionRequest | CompletionRequest, kind: str) -
     (vLLM's ``continuous_usage_stats``).
 
     Raises:
-        InvalidRequest: One of vLLM's fields that a pool of other servers would not honour (the prompt
-            the gateway counted truncated, continuous usage).
+        InvalidRequest: ``prompt_logprobs`` (the gateway streams from every pool, and a stream has none),
+            or one of vLLM's fields that a pool of other servers would not honour (the prompt the
+            gateway counted truncated, continuous usage).
     """
+    if req.prompt_logprobs is not None:  # every pool streams to the gateway, and vLLM streams none
+        raise InvalidRequest("prompt_logprobs is not available from a model of an upstream pool.",
+                             param="prompt_logprobs")
     if kind not in ("vllm", "kvgate"):
         for param, is_set in _VLLM_ONLY.items():
             if is_set(req):

@@ -128,7 +128,7 @@ VERSION_1 = {
 
 def test_every_sampling_parameter_is_recorded_or_left_out_for_a_stated_reason() -> None:
     names = {f.name for f in dataclasses.fields(SamplingParams)}
-    assert set(NOT_RECORDED) == {"logprobs", "structured"}
+    assert set(NOT_RECORDED) == {"logprobs", "prompt_logprobs", "structured"}
     assert all(NOT_RECORDED.values())
     assert set(recorded_params()) == names - set(NOT_RECORDED)
 

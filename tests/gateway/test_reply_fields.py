@@ -137,6 +137,7 @@ async def test_an_upstream_pool_gets_vllms_fields_where_its_servers_take_them(rg
         await _route(rgw, bad, tiny_model_dir, "llamacpp")
         refused = await _post(rgw, "chat", model="up-llamacpp", **options)
         uncut = await _post(rgw, "chat", model="up-llamacpp", truncate_prompt_tokens=3)
+        unstreamed = await _post(rgw, "chat", model="up-vllm", prompt_logprobs=1)
     assert seen.body["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
     events = sse_events(r.text)
     assert [e["usage"]["completion_tokens"] for e in events] == [1, 2, 2]
@@ -144,3 +145,5 @@ async def test_an_upstream_pool_gets_vllms_fields_where_its_servers_take_them(rg
     assert refused.json()["error"]["param"] == "stream_options.continuous_usage_stats"
     # the gateway would count a truncated prompt the server runs whole
     assert uncut.status_code == 400 and uncut.json()["error"]["param"] == "truncate_prompt_tokens", uncut.text
+    # the gateway streams from every pool, and vLLM gives prompt logprobs unstreamed only
+    assert unstreamed.status_code == 400 and unstreamed.json()["error"]["param"] == "prompt_logprobs"
