@@ -343,7 +343,8 @@ async def admit(
         bad_words = bad_words_token_ids(served.tokenizer, req.bad_words, len(served.tokenizer),
                                         allow_special_tokens=policy.allow_special_tokens)
         params = sampling_params(req, decision, len(served.tokenizer), found.structured,
-                                 max_model_len=served.max_model_len, bad_words=bad_words)
+                                 max_model_len=served.max_model_len, bad_words=bad_words,
+                                 num_prompt_tokens=sum(map(len, prompts)))
         if found.tools is not None and keeps_special_tokens(found.tools):
             params.skip_special_tokens = False  # the call marker is one: its parser must see it
         fields = _admitted_fields(request_id, principal, req.model, sum(map(len, prompts)), decision)

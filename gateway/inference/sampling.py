@@ -11,6 +11,7 @@ from gateway.errors import InvalidRequest
 from gateway.schemas.openai import ChatCompletionRequest, CompletionRequest, SamplingFields
 from policies import Decision
 
+MAX_PROMPT_LOGPROBS_TOKENS = 8192  # prompt tokens whose logprobs a request may ask for, all prompts together
 # The parameters ``sampling_params`` works out from the request and its policy's decision; every other
 # ``SamplingParams`` field that the request has (by name) reaches the engine as sent. So a new plain
 # field (``min_p``) is a request field and a ``SamplingParams`` field, and nothing here.
@@ -71,11 +72,20 @@ def _bad_words(req: ChatCompletionRequest | CompletionRequest, bad_words: list[l
     return bad_words
 
 
-def _prompt_logprobs(req: ChatCompletionRequest | CompletionRequest) -> int | None:
-    """The prompt logprobs asked, or those an echo with ``logprobs`` needs (vLLM's)."""
-    if req.prompt_logprobs is None and getattr(req, "echo", False):
-        return req.num_logprobs
-    return req.prompt_logprobs
+def _prompt_logprobs(req: ChatCompletionRequest | CompletionRequest, num_prompt_tokens: int) -> int | None:
+    """The prompt logprobs asked, or those an echo with ``logprobs`` needs (vLLM's).
+
+    Raises:
+        InvalidRequest: Over ``MAX_PROMPT_LOGPROBS_TOKENS`` prompt tokens (each is held, sent and written
+            into the reply with up to 21 logprobs).
+    """
+    k, param = req.prompt_logprobs, "prompt_logprobs"
+    if k is None and getattr(req, "echo", False):
+        k, param = req.num_logprobs, "echo"
+    if k is not None and num_prompt_tokens > MAX_PROMPT_LOGPROBS_TOKENS:
+        raise InvalidRequest(f"The prompt has {num_prompt_tokens} tokens; their logprobs are given for at "
+                             f"most {MAX_PROMPT_LOGPROBS_TOKENS}.", code="invalid_value", param=param)
+    return k
 
 
 def prompt_truncation(req: ChatCompletionRequest | CompletionRequest, max_model_len: int) -> int | None:
@@ -103,11 +113,13 @@ def sampling_params(
     *,
     max_model_len: int = 0,
     bad_words: list[list[int]] | None = None,
+    num_prompt_tokens: int = 0,
 ) -> SamplingParams:
     """The engine's parameters for ``req`` under its policy's ``decision``; ``structured`` is what its
     text must match (``gateway.inference.structured``); ``max_model_len`` the served model's context,
     which a ``truncate_prompt_tokens`` of -1 keeps (recorded as that count, so a replay keeps as many);
-    ``bad_words`` the request's as token sequences (``gateway.inference.bad_words``).
+    ``bad_words`` the request's as token sequences (``gateway.inference.bad_words``);
+    ``num_prompt_tokens`` all its prompts', which bound the prompt logprobs it may ask for.
 
     Raises:
         InvalidRequest: ``min_tokens`` over ``max_tokens``, a ``logit_bias``, ``stop_token_ids`` or
@@ -134,7 +146,7 @@ def sampling_params(
             allowed_token_ids=_allowed_token_ids(req, vocab_size, structured),
             truncate_prompt_tokens=prompt_truncation(req, max_model_len),
             bad_words_token_ids=_bad_words(req, bad_words, structured),
-            prompt_logprobs=_prompt_logprobs(req),
+            prompt_logprobs=_prompt_logprobs(req, num_prompt_tokens),
             structured=structured,
         )
     except InvalidRequestError as e:

@@ -111,3 +111,14 @@ async def test_prompt_logprobs_change_no_token(mgw: Gateway, mode: str) -> None:
     assert choice["text"] == plain["choices"][0]["text"]
     assert choice["logprobs"] == plain["choices"][0]["logprobs"]
     _check_positions(choice["prompt_logprobs"], mgw.runtime.engine.tokenizer.encode(PROMPT), 3)
+
+
+@pytest.mark.parametrize(("extra", "param"), [({"prompt_logprobs": 0}, "prompt_logprobs"),
+                                              ({"echo": True, "logprobs": 0}, "echo")])
+async def test_prompt_logprobs_are_given_for_a_bounded_prompt(mgw: Gateway, extra: dict, param: str) -> None:
+    from gateway.inference.sampling import MAX_PROMPT_LOGPROBS_TOKENS
+
+    eighths = [[7] * (MAX_PROMPT_LOGPROBS_TOKENS // 8 + 1)] * 8  # each fits the context; together too many
+    r = await _post(mgw, prompt=eighths, max_tokens=1, **extra)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    assert str(MAX_PROMPT_LOGPROBS_TOKENS) in r.json()["error"]["message"]
