@@ -10,7 +10,14 @@ from engine.config import EngineConfig
 from engine.request import RequestStatus, Sequence
 from engine.sched.fair import DEFAULT_SHARE, Ledger, Tenant, TenantShare
 from engine.sched.kv_cache_manager import KVCacheManager
-from engine.sched.time_share import NOMINAL_CPU, NOMINAL_CUDA, TimeShare, is_decode_row, tenant_demand
+from engine.sched.time_share import (
+    NOMINAL_CPU,
+    NOMINAL_CUDA,
+    TimeShare,
+    is_decode_row,
+    is_invariant_row,
+    tenant_demand,
+)
 
 
 def _cost(seq: Sequence) -> int:
@@ -88,7 +95,8 @@ class Scheduler:
             config.max_num_batched_tokens)
         self._served: dict[int, int] = {}  # seq_id -> step it last computed a token in (decode rotation)
         self._num_fixed = 0  # fixed-mode sequences held: the time share's cost model stays nominal
-        self.last_step_shape = (0, 0)  # the last step's decode rows and prefill tokens (its cost model)
+        # the last step's fast/fixed decode rows, prefill tokens and batch_invariant rows (its cost model)
+        self.last_step_shape = (0, 0, 0)
 
     # ---- queue ----------------------------------------------------------------------------------
     def add(self, seq: Sequence, leader: Sequence | None = None, share: TenantShare | None = None) -> None:
@@ -141,8 +149,9 @@ class Scheduler:
         self._schedule_running(out)
         if not out.preempted:
             self._schedule_waiting(out)
-        rows = sum(1 for seq, n in out.scheduled if is_decode_row(seq, n))
-        self.last_step_shape = (rows, out.num_tokens - rows)
+        invariant = sum(1 for seq, n in out.scheduled if is_invariant_row(seq, n))
+        rows = sum(1 for seq, n in out.scheduled if is_decode_row(seq, n)) - invariant
+        self.last_step_shape = (rows, out.num_tokens - rows - invariant, invariant)
         if self.time_share is not None:
             self.time_share.end()
         return out
@@ -162,7 +171,8 @@ class Scheduler:
         """The last scheduled step took ``seconds`` to run: the time share's cost model learns from it
         (never while a ``fixed`` sequence is held: its schedule must not depend on the clock)."""
         if self.time_share is not None and not self._num_fixed:
-            self.time_share.cost.observe(*self.last_step_shape, seconds * 1000.0)
+            rows, prefill, invariant = self.last_step_shape
+            self.time_share.cost.observe(rows, prefill, seconds * 1000.0, invariant)
 
     def schedule_ahead(self, seqs: list[Sequence]) -> bool:
         """Place ``seqs``' decode step after one whose tokens are not yet appended
@@ -214,6 +224,8 @@ class Scheduler:
         share = self.time_share
         if share is None or not share.is_active:
             return n
+        if is_invariant_row(seq, n):
+            return n if share.invariant_row(seq.tenant.key) else 0
         if is_decode_row(seq, n):
             return n if share.can_spend(seq.tenant.key) else 0
         is_decoding = any(s.num_computed_tokens >= s.prompt_len for s in seq.tenant.running if s is not seq)
@@ -233,8 +245,13 @@ class Scheduler:
         """Count ``n`` tokens (negative: given back) to ``seq``'s tenant."""
         self.ledger.charge(seq.tenant, n)
         if self.time_share is not None:
-            rows = 1 if is_decode_row(seq, abs(n)) else 0
-            self.time_share.spend(seq.tenant.key, rows if n > 0 else -rows, 0 if rows else n)
+            sign = 1 if n > 0 else -1
+            if is_invariant_row(seq, abs(n)):
+                self.time_share.spend(seq.tenant.key, 0, 0, sign)
+            elif is_decode_row(seq, abs(n)):
+                self.time_share.spend(seq.tenant.key, sign, 0)
+            else:
+                self.time_share.spend(seq.tenant.key, 0, n)
         if n > 0:
             self._served[seq.seq_id] = self.num_steps
 

@@ -9,6 +9,12 @@ of it (``TimeShare``): water-filled, so that what one tenant does not need goes 
 tenant leaves is banked for its prefill chunks, paid whole so that they stay large. Alone, a tenant has
 the whole step (work conserving).
 
+A ``batch_invariant`` decode row costs more than a ``fast`` one, and not only for itself: a step with one
+leaves the fused decoder for the layer-by-layer path, whose fixed cost every row of the step pays. So it is
+charged as a prefill chunk is, not as a decode row: the path's switch once a step, and its own cost, paid
+from its tenant's bank; its tenant's invariant rows run in the steps its share can pay for, and another
+tenant's streams keep the fused decoder in the rest.
+
 ``fixed`` sequences' schedule must be a function of arrivals and steps, never of the clock: while the
 scheduler holds one, the nominal step shape stands in for the measured speed.
 """
@@ -19,6 +25,7 @@ import math
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
+from engine.determinism import BATCH_INVARIANT
 from engine.request import Sequence
 
 
@@ -26,8 +33,10 @@ from engine.request import Sequence
 class StepShape:
     """A device's step time in ms, up to a speed factor. Decode-only steps run the fused decoder:
     ``min(small_fixed + small_per_row * rows, fixed + per_row * rows)`` (a few rows read the 4-bit
-    weights row by row, more share one matmul); a step with prefill runs the whole model and pays
-    ``prefill_fixed`` more, plus ``per_prefill`` per token."""
+    weights row by row, more share one matmul); a step with prefill, or with ``batch_invariant`` decode
+    rows (``invariant``), runs the whole model layer by layer and pays ``prefill_fixed`` more, plus
+    ``per_prefill`` per token and ``per_invariant`` per invariant row (its tile-planned matmuls and
+    row-by-row attention)."""
 
     fixed: float
     per_row: float
@@ -35,17 +44,19 @@ class StepShape:
     prefill_fixed: float
     small_fixed: float
     small_per_row: float
+    per_invariant: float = 0.0
 
-    def ms(self, rows: int, prefill: int) -> float:
-        if prefill:
-            return self.fixed + self.prefill_fixed + self.per_row * rows + self.per_prefill * prefill
+    def ms(self, rows: int, prefill: int, invariant: int = 0) -> float:
+        if prefill or invariant:
+            return (self.fixed + self.prefill_fixed + self.per_row * rows + self.per_prefill * prefill
+                    + self.per_invariant * invariant)
         return min(self.small_fixed + self.small_per_row * rows, self.fixed + self.per_row * rows)
 
 
-# The default model's bfloat16 steps on a 2-core AVX512 CPU (2026-11-28); on CUDA a row costs next to
-# nothing, so nothing is cut.
-NOMINAL_CPU = StepShape(26.0, 0.72, 0.32, 19.0, 5.0, 3.2)
-NOMINAL_CUDA = StepShape(5.0, 0.0, 0.0, 0.0, 5.0, 0.0)
+# The default model's bfloat16 steps on a 2-core AVX512 CPU (2026-11-28: a batch_invariant step of one
+# row took 45 ms, of 32 rows 169 ms); on CUDA a row costs next to nothing, so nothing is cut.
+NOMINAL_CPU = StepShape(26.0, 0.72, 0.32, 19.0, 5.0, 3.2, 4.0)
+NOMINAL_CUDA = StepShape(5.0, 0.0, 0.0, 0.0, 5.0, 0.0, 0.0)
 AUTO_TARGET_OVER_FIXED = 2.5  # without a set target: steps of 2.5x the fixed cost (40 % overhead)
 PREFILL_PART = 0.5             # of a tenant's part of a step, kept for its prompts while it has some
 _FORGET = 0.95                 # weight of the past per step in the speed estimate (~20 steps)
@@ -67,12 +78,12 @@ class StepCost:
         self.speed = 1.0  # measured / nominal step time
         self.num_observed = 0
 
-    def predict(self, rows: int, prefill: int) -> float:
-        return self.speed * self.nominal.ms(rows, prefill)
+    def predict(self, rows: int, prefill: int, invariant: int = 0) -> float:
+        return self.speed * self.nominal.ms(rows, prefill, invariant)
 
-    def observe(self, rows: int, prefill: int, ms: float) -> None:
-        nominal = self.nominal.ms(rows, prefill)
-        if nominal <= 0 or ms <= 0 or rows + prefill == 0:
+    def observe(self, rows: int, prefill: int, ms: float, invariant: int = 0) -> None:
+        nominal = self.nominal.ms(rows, prefill, invariant)
+        if nominal <= 0 or ms <= 0 or rows + prefill + invariant == 0:
             return
         self.num_observed += 1
         if self.num_observed <= _WARMUP_STEPS:
@@ -82,21 +93,24 @@ class StepCost:
         self._weight = self._weight * _FORGET + 1.0
         self.speed = math.exp(self._log_speed / self._weight)
 
-    def coef(self, is_fixed: bool) -> tuple[float, float, float, float]:
-        """(fixed, per_row, per_prefill, prefill_fixed) in ms; nominal when ``is_fixed``."""
+    def coef(self, is_fixed: bool) -> tuple[float, float, float, float, float]:
+        """(fixed, per_row, per_prefill, prefill_fixed, per_invariant) in ms; nominal when ``is_fixed``."""
         k, n = (1.0 if is_fixed else self.speed), self.nominal
-        return (k * n.fixed, k * n.per_row, k * n.per_prefill, k * n.prefill_fixed)
+        return (k * n.fixed, k * n.per_row, k * n.per_prefill, k * n.prefill_fixed, k * n.per_invariant)
 
 
 @dataclass(slots=True)
 class Demand:
-    """What one tenant could put into this step: decode rows and prefill tokens; and its streams, the
-    rows it will decode once its prompts are in (its rows, and its sequences still in prefill or
-    waiting)."""
+    """What one tenant could put into this step: decode rows (``fast`` and ``fixed``; ``invariant``:
+    ``batch_invariant``'s) and prefill tokens; and its streams, the rows it will decode once its
+    prompts are in (its rows, and its sequences still in prefill or waiting; ``invariant_streams`` of
+    them ``batch_invariant``)."""
 
     rows: int = 0
     prefill: int = 0
     streams: int = 0
+    invariant: int = 0
+    invariant_streams: int = 0
 
 
 class TimeShare:
@@ -143,21 +157,22 @@ class TimeShare:
         """Allowances for a step among the tenants with work; active only with two or more."""
         self.step_ms = dict.fromkeys(demands, 0.0)
         self._has_prefill = False
-        busy = [k for k, d in demands.items() if d.rows or d.prefill]
+        busy = [k for k, d in demands.items() if d.rows or d.prefill or d.invariant]
         budget = self.budget_ms(is_fixed) if len(busy) > 1 else 0.0
         self.is_active = len(busy) > 1 and self._some_streams_slowed(busy, demands, weights, budget)
         if not self.is_active:
             self.allow.clear()
             self.bank.clear()
             return
-        wants = {k: self.cost_of(demands[k].rows, demands[k].prefill) + max(0.0, -self.bank.get(k, 0.0))
-                 for k in busy}
+        wants = {k: self.cost_of(demands[k].rows, demands[k].prefill, demands[k].invariant)
+                 + max(0.0, -self.bank.get(k, 0.0)) for k in busy}
         parts = water_fill(budget, wants, {k: weights[k] for k in busy})
         cap = self._cap()
         # a tenant with prompts to start keeps at least PREFILL_PART of its part for them: its rows
         # alone would take it all whenever it runs more rows than its share, and its new requests
-        # would wait in the queue for its running ones to end
-        self.allow = {k: parts[k] * (1.0 - PREFILL_PART if demands[k].prefill else 1.0) for k in busy}
+        # would wait in the queue for its running ones to end (invariant rows are paid as chunks are)
+        self.allow = {k: parts[k] * (1.0 - PREFILL_PART if demands[k].prefill or demands[k].invariant
+                                     else 1.0) for k in busy}
         self.bank = {k: min(self.bank.get(k, 0.0) + parts[k] - self.allow[k], cap) for k in busy}
 
     def _some_streams_slowed(self, busy: list[bytes], demands: dict[bytes, Demand],
@@ -168,12 +183,16 @@ class TimeShare:
         has more streams than its part (or each fits), cutting steps would protect nobody's few streams
         and only cost tokens/s: the batch slots' shares stand alone."""
         total = sum(weights[k] for k in busy)
-        over = [self.cost_of(demands[k].streams, 0) > budget * weights[k] / total for k in busy]
+        over = [self._streams_ms(demands[k]) > budget * weights[k] / total for k in busy]
         return any(over) and not all(over)
 
-    def cost_of(self, rows: int, prefill: int) -> float:
-        _, per_row, per_prefill, prefill_fixed = self.coef
-        return per_row * rows + per_prefill * prefill + (prefill_fixed if prefill else 0.0)
+    def _streams_ms(self, d: Demand) -> float:
+        return self.cost_of(d.streams - d.invariant_streams, 0, d.invariant_streams)
+
+    def cost_of(self, rows: int, prefill: int, invariant: int = 0) -> float:
+        _, per_row, per_prefill, prefill_fixed, per_invariant = self.coef
+        switch = prefill_fixed if prefill or invariant else 0.0  # the step leaves the fused decoder
+        return per_row * rows + per_prefill * prefill + per_invariant * invariant + switch
 
     def can_spend(self, key: bytes) -> bool:
         """Whether the tenant may put one more decode row into this step."""
@@ -189,31 +208,40 @@ class TimeShare:
         tenant's last one still owes."""
         if not self.is_active:
             return want
+        return want if self._can_pay(key, self._chunk_ms(want), is_decoding) else 0
+
+    def invariant_row(self, key: bytes) -> bool:
+        """Whether the tenant may put one more ``batch_invariant`` decode row into this step: paid as a
+        chunk is (the step's switch off the fused decoder, if nothing paid it yet, and the row), from its
+        bank, so its invariant rows run together in the steps its share can pay for."""
+        return not self.is_active or self._can_pay(key, self._chunk_ms(0, 1), True)
+
+    def _can_pay(self, key: bytes, cost: float, is_decoding: bool) -> bool:
         bank = self.bank.get(key, 0.0)
         funds = bank + max(self.allow.get(key, 0.0), 0.0)
-        cost = self._chunk_ms(want)
-        if funds >= cost or ((bank >= 0.0 or not is_decoding) and funds - cost >= -self._cap()):
-            return want
-        return 0
+        return funds >= cost or ((bank >= 0.0 or not is_decoding) and funds - cost >= -self._cap())
 
     def _cap(self) -> float:
         return self.cost_of(0, self.max_chunk)
 
-    def _chunk_ms(self, n: int) -> float:
-        return self.cost_of(0, n) - (self.coef[3] if self._has_prefill else 0.0)
+    def _chunk_ms(self, n: int, invariant: int = 0) -> float:
+        return self.cost_of(0, n, invariant) - (self.coef[3] if self._has_prefill else 0.0)
 
-    def spend(self, key: bytes, rows: int, prefill: int) -> None:
-        """Charge a row (``rows``) or a chunk (``prefill`` tokens); negative: given back."""
+    def spend(self, key: bytes, rows: int, prefill: int, invariant: int = 0) -> None:
+        """Charge a row (``rows``), a chunk (``prefill`` tokens) or a ``batch_invariant`` row
+        (``invariant``); negative: given back (a given-back chunk or invariant row keeps the switch paid)."""
         ms = self.coef[1] * rows
-        if prefill > 0:
-            ms += self._chunk_ms(prefill)
+        if prefill > 0 or invariant > 0:
+            ms += self._chunk_ms(max(prefill, 0), max(invariant, 0))
             self._has_prefill = True
-        elif prefill < 0:
+        if prefill < 0:
             ms -= self.coef[2] * -prefill
+        if invariant < 0:
+            ms -= self.coef[4] * -invariant
         self.step_ms[key] = self.step_ms.get(key, 0.0) + ms
         if not self.is_active:
             return
-        if prefill:  # from this step's allowance first, then the bank
+        if prefill or invariant:  # from this step's allowance first, then the bank
             from_allow = min(max(self.allow.get(key, 0.0), 0.0), ms) if ms > 0 else 0.0
             self.allow[key] = self.allow.get(key, 0.0) - from_allow
             self.bank[key] = self.bank.get(key, 0.0) - (ms - from_allow)
@@ -261,13 +289,16 @@ def tenant_demand(running: Iterable[Sequence], waiting: Collection[Sequence], ma
     """A tenant's work for the next step: its decode rows, and its prefill tokens (running chunks, then
     waiting prompts) up to ``max_tokens``, the step's token budget; and its streams. A row whose
     grammar mask is late sits out (``engine.grammar.masks``), so it is no demand."""
-    d = Demand(streams=len(waiting))
+    d = Demand(streams=len(waiting), invariant_streams=sum(s.mode == BATCH_INVARIANT for s in waiting))
     for seq in running:
         left = seq.num_tokens - seq.num_computed_tokens
         if seq.is_mask_pending or left <= 0:
             continue
         d.streams += 1
-        if is_decode_row(seq, left):
+        d.invariant_streams += seq.mode == BATCH_INVARIANT
+        if is_invariant_row(seq, left):
+            d.invariant += 1
+        elif is_decode_row(seq, left):
             d.rows += 1
         else:
             d.prefill += left
@@ -282,3 +313,8 @@ def tenant_demand(running: Iterable[Sequence], waiting: Collection[Sequence], ma
 def is_decode_row(seq: Sequence, n: int) -> bool:
     """``n`` new tokens of ``seq`` are one decode row (the rest is prefill: prompts and recomputation)."""
     return n == 1 and seq.num_computed_tokens >= seq.prompt_len
+
+
+def is_invariant_row(seq: Sequence, n: int) -> bool:
+    """A decode row of a ``batch_invariant`` sequence: it keeps its step off the fused decoder."""
+    return seq.mode == BATCH_INVARIANT and is_decode_row(seq, n)

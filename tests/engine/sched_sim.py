@@ -15,13 +15,13 @@ from engine.sched.scheduler import Scheduler
 
 
 class SimEngine:
-    """``step_cost(rows, prefill_tokens)``, when given, is each step's synthetic time in ms, which the
-    scheduler observes as it would a measured one (``Scheduler.observe_step``)."""
+    """``step_cost(rows, prefill_tokens, invariant_rows)``, when given, is each step's synthetic time in ms,
+    which the scheduler observes as it would a measured one (``Scheduler.observe_step``)."""
 
     def __init__(self, *, num_blocks: int = 64, block_size: int = 4, max_num_seqs: int = 8,
                  max_num_batched_tokens: int = 32, policy: str = "fair", aging: int = 64,
                  prefix_caching: bool = False, wait: int = 16, step_time_target_ms: float | None = None,
-                 step_cost: Callable[[int, int], float] | None = None) -> None:
+                 step_cost: Callable[[int, int, int], float] | None = None) -> None:
         cfg = EngineConfig(num_kv_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
                            max_num_batched_tokens=max_num_batched_tokens, scheduling_policy=policy,
                            priority_aging_steps=aging, enable_prefix_caching=prefix_caching,

@@ -16,9 +16,9 @@ from tests.engine.sched_sim import SimEngine
 TARGET_MS = 60.0
 
 
-def cpu_cost(rows: int, prefill: int) -> float:
+def cpu_cost(rows: int, prefill: int, invariant: int = 0) -> float:
     """A 2-core CPU's step: a fixed cost, then every row and prefill token costs time."""
-    return NOMINAL_CPU.ms(rows, prefill)
+    return NOMINAL_CPU.ms(rows, prefill, invariant)
 
 
 def _keep_busy(sim: SimEngine, key: bytes, outstanding: int, **kw) -> None:
@@ -108,7 +108,7 @@ def test_a_fixed_schedule_does_not_depend_on_the_step_times():
         rng = random.Random(seed)
         sim = SimEngine(num_blocks=4096, block_size=16, max_num_seqs=64, max_num_batched_tokens=512,
                         step_time_target_ms=TARGET_MS,
-                        step_cost=lambda r, p: cpu_cost(r, p) * rng.uniform(0.3, 3.0))
+                        step_cost=lambda r, p, i: cpu_cost(r, p, i) * rng.uniform(0.3, 3.0))
         for i in range(150):
             _keep_busy(sim, b"a", 40, prompt_len=48 + i % 5, max_tokens=40, mode=mode)
             _keep_busy(sim, b"b", 6, prompt_len=64, max_tokens=20, mode=mode)
@@ -136,7 +136,7 @@ def test_the_cost_model_learns_the_machines_speed():
     assert cost.speed == pytest.approx(1.5, rel=0.05)
     assert cost.coef(False)[1] == pytest.approx(1.5 * NOMINAL_CPU.per_row, rel=0.05)
     assert cost.coef(True) == (NOMINAL_CPU.fixed, NOMINAL_CPU.per_row, NOMINAL_CPU.per_prefill,
-                               NOMINAL_CPU.prefill_fixed)  # what fixed-mode schedules use
+                               NOMINAL_CPU.prefill_fixed, NOMINAL_CPU.per_invariant)  # fixed-mode schedules
     before = cost.speed
     cost.observe(8, 0, 10_000.0)  # a stall (swapped out, a noisy neighbour): one step moves it little
     assert cost.speed < before * 1.15
@@ -215,3 +215,43 @@ def test_a_flood_of_new_prompts_takes_its_part_of_the_step_not_every_step():
         sim.step()
     b_itl = (sum(sim.step_ms[start:]) / ((sum(s.num_output_tokens for s in b) - tokens) / 8))
     assert b_itl < 2 * TARGET_MS, b_itl
+
+
+def _true_ms(sim: SimEngine) -> float:
+    """The last step's time by its real shape: a batch_invariant decode row takes it off the fused decoder."""
+    rows = prefill = invariant = 0
+    for sid, n in sim.log[-1]:
+        seq = sim.seqs[sid]
+        is_row = n == 1 and seq.num_computed_tokens - 1 >= seq.prompt_len
+        if is_row and seq.mode == "batch_invariant":
+            invariant += 1
+        elif is_row:
+            rows += 1
+        else:
+            prefill += n
+    return NOMINAL_CPU.ms(rows, prefill, invariant)
+
+
+def _ms_per_token_beside(mode: str, steps: int = 300) -> float:
+    """Tenant b's one fast stream beside tenant a's 16 streams in ``mode``: b's time per token, in ms of
+    the steps' real cost, after warm-up."""
+    sim = SimEngine(num_blocks=4096, block_size=16, max_num_seqs=64, max_num_batched_tokens=512,
+                    step_time_target_ms=TARGET_MS, step_cost=cpu_cost)
+    elapsed, num_b_tokens = 0.0, 0
+    for i in range(steps):
+        _keep_busy(sim, b"a", 16, prompt_len=64, max_tokens=400, mode=mode)
+        _keep_busy(sim, b"b", 1, prompt_len=64, max_tokens=400)
+        sim.step()
+        if i >= steps // 3:
+            elapsed += _true_ms(sim)
+            num_b_tokens += sum(n == 1 for sid, n in sim.log[-1] if sim.seqs[sid].cache_namespace == b"b")
+    return elapsed / num_b_tokens
+
+
+def test_batch_invariant_rows_pay_for_the_steps_they_slow():
+    """A batch_invariant row keeps its whole step off the fused decoder: charged as a fast row, 16 of them
+    made every step of a neighbour's one stream nearly twice the target (110 ms). Paid as chunks are, with
+    the switch off the fused decoder, they fill the step time the neighbour leaves, up to the target."""
+    beside_fast = _ms_per_token_beside("fast")
+    beside_invariant = _ms_per_token_beside("batch_invariant")
+    assert beside_fast < TARGET_MS and beside_invariant < TARGET_MS * 1.1, (beside_invariant, beside_fast)
