@@ -34,7 +34,8 @@ async def make_work(tokenizer: Any, model_name: str, num_requests: int, seed: in
     for r in standard_workload(tokenizer, num_requests, seed, prompt_range=(16, 64), new_range=(1, 1)):
         messages = [{"role": "user", "content": tokenizer.decode(r.prompt_ids)}]
         req = ChatCompletionRequest(model=model_name, messages=messages, max_tokens=1, temperature=0.0)
-        out.append(Work(req.model_dump_json(exclude_defaults=True).encode(), await tokenize(tokenizer, req)))
+        [prompt_ids] = await tokenize(tokenizer, req)  # a chat has one prompt
+        out.append(Work(req.model_dump_json(exclude_defaults=True).encode(), prompt_ids))
     return out
 
 

@@ -107,11 +107,11 @@ async def test_bad_completion_bodies_are_4xx(ctx):
         {"prompt": 5},
         {"prompt": []},
         {"prompt": [-1]},
-        {"prompt": [[1, 2]]},
-        {"echo": True},
+        {"prompt": [[1, 2], []]},
+        {"echo": "yes"},
         {"best_of": 3},
-        {"logprobs": 6},
-        {"prompt": ["a", "b"]},
+        {"logprobs": 21},
+        {"prompt": ["a"] * 9},  # more choices than n's cap of 8
         {"suffix": "x"},
         {"prompt": None},
     ]:

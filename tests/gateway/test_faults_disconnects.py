@@ -74,7 +74,7 @@ async def _leave(server: Served, c, key: str, body: dict, way: str, num_chunks: 
             return way
         seen, last = 0, ""
         async for line in r.aiter_lines():
-            assert '"error"' not in line, line
+            assert not line.startswith('data: {"error"'), line  # an error event, not a token's text
             if line.startswith("data: "):
                 seen, last = seen + 1, line
                 if way == "after_chunks" and seen >= num_chunks:
