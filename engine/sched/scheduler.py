@@ -229,7 +229,8 @@ class Scheduler:
         if is_decode_row(seq, n):
             return n if share.can_spend(seq.tenant.key) else 0
         is_decoding = any(s.num_computed_tokens >= s.prompt_len for s in seq.tenant.running if s is not seq)
-        return share.prefill_tokens(seq.tenant.key, n, is_decoding)  # all of it or none: chunks stay large
+        # all of it or none, at its cost: chunks stay large
+        return n if share.prefill_tokens(seq.tenant.key, n * _cost(seq), is_decoding) else 0
 
     def _room(self, seq: Sequence) -> int:
         """The tokens of ``seq`` the step's budget has room for (one at least, while any is left: a step
@@ -242,8 +243,9 @@ class Scheduler:
         self._charge(seq, n)
 
     def _charge(self, seq: Sequence, n: int) -> None:
-        """Count ``n`` tokens (negative: given back) to ``seq``'s tenant."""
-        self.ledger.charge(seq.tenant, n)
+        """Count ``n`` tokens (negative: given back) to ``seq``'s tenant, each at its cost in the step
+        (``_cost``): the tenant's fair share and time share pay what the step budget does."""
+        self.ledger.charge(seq.tenant, n * _cost(seq))
         if self.time_share is not None:
             sign = 1 if n > 0 else -1
             if is_invariant_row(seq, abs(n)):
@@ -251,7 +253,7 @@ class Scheduler:
             elif is_decode_row(seq, abs(n)):
                 self.time_share.spend(seq.tenant.key, sign, 0)
             else:
-                self.time_share.spend(seq.tenant.key, 0, n)
+                self.time_share.spend(seq.tenant.key, 0, n * _cost(seq))
         if n > 0:
             self._served[seq.seq_id] = self.num_steps
 

@@ -255,3 +255,20 @@ def test_batch_invariant_rows_pay_for_the_steps_they_slow():
     beside_fast = _ms_per_token_beside("fast")
     beside_invariant = _ms_per_token_beside("batch_invariant")
     assert beside_fast < TARGET_MS and beside_invariant < TARGET_MS * 1.1, (beside_invariant, beside_fast)
+
+
+def test_a_prompt_whose_logprobs_are_asked_pays_its_tokens_at_their_step_cost():
+    """Such a prompt token also runs through the LM head: the step budget counts it twice, and so do its
+    tenant's fair share and time share, else it would take twice the step time its share says."""
+    sim = SimEngine(num_blocks=4096, block_size=16, max_num_seqs=8, max_num_batched_tokens=512,
+                    step_time_target_ms=TARGET_MS, step_cost=cpu_cost)
+    asked = sim.add(b"a", prompt_len=100, max_tokens=4)
+    asked.prompt_logprobs = [None] * asked.prompt_len
+    sim.add(b"b", prompt_len=100, max_tokens=4)
+    sim.step()
+    assert [n for _, n in sim.log[-1]] == [100, 100]
+    tenants = sim.sched.ledger.tenants
+    assert tenants[b"a"].vtime == pytest.approx(2 * tenants[b"b"].vtime)
+    share = sim.sched.time_share
+    per_prefill, switch = share.coef[2], share.coef[3]  # a's chunk came first: it paid the switch
+    assert share.step_ms[b"a"] - share.step_ms[b"b"] == pytest.approx(100 * per_prefill + switch)
