@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from bench.stream_client import RequestResult, stream_request
-from gateway.schemas.openai import MAX_ALLOWED_TOKEN_IDS, MAX_LOGIT_BIAS
+from gateway.schemas.openai import MAX_ALLOWED_TOKEN_IDS, MAX_BAD_WORDS, MAX_LOGIT_BIAS
 from gateway.schemas.openai_tools import MAX_SCHEMA_BYTES
 
 CHAT = "/v1/chat/completions"
@@ -76,6 +76,14 @@ ATTACKS: dict[str, Callable[[str, int], dict]] = {
     "json_schema_pattern": lambda m, i: _chat(m, response_format={"type": "json_schema", "json_schema": {
         "name": "s", "schema": {"type": "string", "pattern": "^a{1000}{1000}$"}}}),
     "grammar_ambiguous": lambda m, i: _chat(m, guided_grammar='start: s\ns: s s s | s s | "a" | "aa"'),
+    # ~6k prompt tokens that no cache holds (each request's first words its own)
+    "long_prompts_uncached": lambda m, i: _chat(m, f"{i} {LONG_PROMPT}", stream=False, max_tokens=1),
+    # ~6k prompt tokens, each through the LM head with its 20 most likely tokens (no stream: vLLM's rule)
+    "prompt_logprobs_long": lambda m, i: _chat(m, f"{i} {LONG_PROMPT}", stream=False, max_tokens=1,
+                                               prompt_logprobs=20),
+    # 16 rows each checking the most bad words a request may send, every one of several tokens
+    "n8_bad_words_max": lambda m, i: _chat(m, n=8, bad_words=[f"the lighthouse keeper {j} said"
+                                                              for j in range(MAX_BAD_WORDS)]),
 }
 
 
